@@ -1,0 +1,52 @@
+"""Whether a backend can run here, and if not, why — decided without importing it.
+
+``attnhost list`` shows this for every backend and ``ModelRunner`` refuses an
+unavailable one with the same reason, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from attnhost.registry import BackendEntry
+
+__all__ = ["Availability", "check_availability"]
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    available: bool
+    reason: str | None = None
+
+
+def _module_installed(module: str) -> bool:
+    top = module.partition(".")[0]  # find_spec of a submodule would import its parent
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _install_hint(entry: BackendEntry) -> str:
+    if entry.spec.provided_by:
+        return f"pip install {entry.spec.provided_by}"
+    if entry.distribution:
+        return f"reinstall {entry.distribution}"
+    return "install the package that provides it"
+
+
+def check_availability(entry: BackendEntry, platform: str) -> Availability:
+    """Available means: implemented, meant for ``platform``, and its modules importable."""
+    spec = entry.spec
+    if not spec.implemented:
+        kernels = f" (kernels: {spec.provided_by})" if spec.provided_by else ""
+        return Availability(False, f"declared only, no installed plugin implements it{kernels}")
+    if spec.platforms and platform not in spec.platforms:
+        return Availability(False, f"runs on {', '.join(spec.platforms)}, not {platform}")
+    missing = [module for module in spec.requires if not _module_installed(module)]
+    if missing:
+        return Availability(False, f"module {missing[0]!r} is not installed ({_install_hint(entry)})")
+    if isinstance(spec.factory, str) and not _module_installed(spec.factory_module or ""):
+        return Availability(False, f"factory module {spec.factory_module!r} is not installed ({_install_hint(entry)})")
+    return Availability(True)

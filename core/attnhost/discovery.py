@@ -1,0 +1,310 @@
+"""Turn installed entry points into registered pluggy plugins, one verdict per plugin.
+
+Every entry point ends in exactly one :class:`PluginInfo`: loaded, or the
+reason it is not (failed, blocked, not allowed, duplicate). A plugin is other
+people's code running at start-up, so nothing a plugin does here may escape
+as an exception: it becomes a ``failed`` record and one warning line naming
+the plugin, its distribution and the cause.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pluggy
+
+from attnhost.backend import AttentionBackend
+from attnhost.entry_points import EntryPointRecord
+from attnhost.errors import RegistryFrozenError
+from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
+from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
+from attnhost.spec import BackendSpec, check_backend_name
+
+__all__ = [
+    "BUILTIN_DISTRIBUTION",
+    "ENTRY_POINT_GROUP",
+    "GuardedPluginManager",
+    "PluginInfo",
+    "PluginProblem",
+    "PluginStatus",
+    "ShorthandPlugin",
+    "describe_exception",
+    "load_entry_points",
+    "register_checked",
+]
+
+logger = logging.getLogger("attnhost")
+
+ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
+BUILTIN_DISTRIBUTION = "attnhost"
+
+
+class PluginStatus(enum.StrEnum):
+    """What became of one discovered plugin."""
+
+    LOADED = "loaded"
+    FAILED = "failed"
+    BLOCKED = "blocked"
+    """Not imported: ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD`` is set."""
+    NOT_ALLOWED = "not-allowed"
+    """Not imported: ``ATTNHOST_PLUGINS`` does not name it."""
+    DUPLICATE = "duplicate"
+    """Not imported: another distribution's entry point already has this plugin name."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """One plugin as the host sees it: where it came from and what became of it."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    value: str
+    status: PluginStatus
+    error: str | None = None
+    backends: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    builtin: bool = False
+    location: str | None = None
+
+    @property
+    def origin(self) -> str:
+        """``plugin 'x' (distribution y 1.0)``: how every message names a plugin."""
+        if self.distribution is None:
+            return f"plugin {self.name!r} (registered in-process)"
+        return f"plugin {self.name!r} (distribution {self.distribution} {self.version})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "value": self.value,
+            "status": self.status.value,
+            "error": self.error,
+            "backends": list(self.backends),
+            "warnings": list(self.warnings),
+            "builtin": self.builtin,
+        }
+
+
+class PluginProblem(Exception):
+    """Why a plugin object cannot be registered; the message completes "plugin X ...: "."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class ShorthandPlugin:
+    """The one-line form: an entry point naming an ``AttentionBackend`` subclass.
+
+    It becomes a target- and draft-capable backend named after the entry point;
+    the class is its own factory, and its docstring's first line its description.
+    """
+
+    def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
+        self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
+        self.backend_class = backend_class
+        doc = inspect.getdoc(backend_class) or ""
+        self.description = doc.strip().splitlines()[0] if doc.strip() else ""
+
+    def __repr__(self) -> str:
+        return f"<ShorthandPlugin {self.name!r}: {self.backend_class.__module__}.{self.backend_class.__qualname__}>"
+
+    @hookimpl
+    def attnhost_attention_backends(self) -> list[BackendSpec]:
+        return [BackendSpec(name=self.name, factory=self.backend_class, description=self.description)]
+
+    @hookimpl
+    def attnhost_draft_attention_backends(self) -> list[str]:
+        return [self.name]
+
+
+def as_plugin(name: str, obj: object) -> object:
+    """Wrap an ``AttentionBackend`` subclass as a shorthand plugin; anything else is taken as-is."""
+    if inspect.isclass(obj) and issubclass(obj, AttentionBackend):
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+            raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
+        return ShorthandPlugin(name, obj)
+    return obj
+
+
+class GuardedPluginManager(pluggy.PluginManager):
+    """A pluggy manager that refuses registration once the registry is frozen.
+
+    SGLang's late registrations were silently ignored; here they raise, and
+    every accepted registration tells the host its registry is stale.
+    """
+
+    def __init__(self, is_frozen: Callable[[], bool], on_change: Callable[[], None]) -> None:
+        super().__init__(PROJECT_NAME)
+        self._is_frozen = is_frozen
+        self._on_change = on_change
+        self.add_hookspecs(AttnhostHookSpecs)
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        if self._is_frozen():
+            label = name or self.get_canonical_name(plugin)
+            raise RegistryFrozenError(
+                f"plugin {label!r} was registered after the first ServerArgs froze the backend registry; "
+                f"declare it as an entry point in group {ENTRY_POINT_GROUP!r} or register it before "
+                "building ServerArgs"
+            )
+        registered = super().register(plugin, name)
+        self._on_change()
+        return registered
+
+
+def _unknown_hook_message(hook_name: str) -> str:
+    close = difflib.get_close_matches(hook_name, HOOK_NAMES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"implements unknown hook {hook_name!r}; {hint}known hooks: {', '.join(HOOK_NAMES)}"
+
+
+def _undecorated_hooks(plugin: object) -> list[str]:
+    names = [n for n in dir(plugin) if n.startswith("attnhost_")]
+    return [n for n in names if callable(getattr(plugin, n, None))]
+
+
+def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
+    """Register ``plugin`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
+
+    Besides pluggy's signature validation this rejects, per plugin, what
+    ``check_pending`` would only catch globally: unknown hook names (typos)
+    and objects that implement no hook at all.
+    """
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        if pm.has_plugin(name):
+            pm.unregister(name=name)
+        raise PluginProblem(f"has an invalid hook implementation: {str(exc).splitlines()[0]}") from None
+    callers = pm.get_hookcallers(plugin) or []
+    unknown = sorted(caller.name for caller in callers if not caller.has_spec())
+    if unknown:
+        pm.unregister(name=name)
+        raise PluginProblem(_unknown_hook_message(unknown[0]))
+    if not callers:
+        pm.unregister(name=name)
+        undecorated = _undecorated_hooks(plugin)
+        if undecorated:
+            raise PluginProblem(
+                f"defines {', '.join(undecorated)} without the @attnhost.hookimpl decorator, so it implements no hook"
+            )
+        raise PluginProblem(
+            f"its entry point object ({type(plugin).__name__} {_short_repr(plugin)}) is neither an "
+            "attnhost.AttentionBackend subclass nor a plugin with @attnhost.hookimpl functions"
+        )
+
+
+def _short_repr(obj: object) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _normalize_dist(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _is_builtin(record: EntryPointRecord) -> bool:
+    return _normalize_dist(record.distribution) == BUILTIN_DISTRIBUTION
+
+
+def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = None) -> PluginInfo:
+    return PluginInfo(
+        name=record.name,
+        distribution=record.distribution,
+        version=record.version,
+        value=record.value,
+        status=status,
+        error=error,
+        builtin=_is_builtin(record),
+        location=record.location,
+    )
+
+
+def _fail(info: PluginInfo, cause: str) -> PluginInfo:
+    failed = replace(info, status=PluginStatus.FAILED, error=cause)
+    logger.warning("%s failed to load: %s; %s", failed.origin, cause, _way_out(failed))
+    return failed
+
+
+def _way_out(info: PluginInfo) -> str:
+    if info.builtin:
+        return "reinstall attnhost"
+    return f"fix or uninstall {info.distribution}, or leave it out with {PLUGINS_ENV}"
+
+
+@dataclass
+class DiscoveryResult:
+    """The plugins found, in registration order (built-ins first, then by name)."""
+
+    plugins: list[PluginInfo] = field(default_factory=list)
+    missing_allowed: tuple[str, ...] = ()
+
+
+def load_entry_points(
+    pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
+) -> DiscoveryResult:
+    """Import and register the entry points the settings allow; never raises for a plugin's fault."""
+    ordered = sorted(records, key=lambda r: (not _is_builtin(r), r.name, _normalize_dist(r.distribution)))
+    result = DiscoveryResult()
+    taken: dict[str, PluginInfo] = {}
+    for record in ordered:
+        info = _info(record, PluginStatus.LOADED)
+        if record.name in taken:
+            owner = taken[record.name]
+            info = replace(
+                info,
+                status=PluginStatus.DUPLICATE,
+                error=f"plugin name {record.name!r} is already taken by distribution {owner.distribution}",
+            )
+            logger.warning(
+                "%s was not loaded: %s; rename one of the entry points or uninstall one distribution",
+                info.origin,
+                info.error,
+            )
+        elif not info.builtin and not settings.autoload:
+            info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
+        elif not info.builtin and settings.allow is not None and record.name not in settings.allow:
+            info = replace(info, status=PluginStatus.NOT_ALLOWED, error=f"not named in {PLUGINS_ENV}")
+        else:
+            info = _load_one(pm, record, info)
+            taken[record.name] = info
+        result.plugins.append(info)
+    if settings.allow is not None:
+        found = {record.name for record in records}
+        missing = tuple(sorted(settings.allow - found))
+        for name in missing:
+            logger.warning(
+                "%s names plugin %r, which is not installed; check the spelling or install it (installed plugins: %s)",
+                PLUGINS_ENV,
+                name,
+                ", ".join(sorted(found)) or "none",
+            )
+        result.missing_allowed = missing
+    return result
+
+
+def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginInfo) -> PluginInfo:
+    try:
+        obj = record.load()
+    except (Exception, SystemExit) as exc:
+        return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}")
+    try:
+        register_checked(pm, as_plugin(record.name, obj), record.name)
+    except PluginProblem as problem:
+        return _fail(info, str(problem))
+    except ValueError as exc:  # invalid shorthand name, or pluggy refusing a duplicate object
+        return _fail(info, str(exc))
+    return info

@@ -1,0 +1,245 @@
+"""The process-wide plugin host: loads plugins once, builds the registry, freezes it.
+
+State flows one way — entry points → plugin manager → registry → frozen — and
+this module owns every step, behind one lock, so threads, forks and repeated
+calls all see plugins loaded exactly once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import replace
+
+import pluggy
+
+from attnhost import entry_points
+from attnhost.discovery import (
+    ENTRY_POINT_GROUP,
+    GuardedPluginManager,
+    PluginInfo,
+    PluginProblem,
+    PluginStatus,
+    as_plugin,
+    load_entry_points,
+    register_checked,
+)
+from attnhost.errors import AttnhostError, PluginLoadError, RegistryFrozenError
+from attnhost.hooks import hookimpl
+from attnhost.registry import Registry, build_registry, collect_contributions
+from attnhost.settings import STRICT_ENV, LoadSettings
+from attnhost.spec import BackendSpec, check_backend_name
+
+__all__ = ["InvalidPluginError", "PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
+
+logger = logging.getLogger("attnhost")
+
+
+class _DeclaredNames:
+    """The in-process plugin behind ``add_attention_backend_choices`` and friends."""
+
+    def __init__(self) -> None:
+        self.target: list[str] = []
+        self.draft: list[str] = []
+
+    @hookimpl
+    def attnhost_attention_backends(self) -> list[BackendSpec]:
+        names = dict.fromkeys(self.target + self.draft)
+        return [BackendSpec(name=name, description="declared in-process by name only") for name in names]
+
+    @hookimpl
+    def attnhost_draft_attention_backends(self) -> list[str]:
+        return list(self.draft)
+
+
+class PluginHost:
+    """Owns the plugin manager, the registry built from it, and the freeze."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pm: GuardedPluginManager | None = None
+        self._discovered: list[PluginInfo] = []
+        self._in_process: dict[str, PluginInfo] = {}
+        self._declared = _DeclaredNames()
+        self._registry: Registry | None = None
+        self._plugins: tuple[PluginInfo, ...] = ()
+        self._frozen = False
+        self._strict_error: PluginLoadError | None = None
+        self._pid = os.getpid()
+
+    # -- loading -----------------------------------------------------------------
+
+    def plugin_manager(self) -> pluggy.PluginManager:
+        """The pluggy manager, with every allowed entry point loaded (once per process)."""
+        pm = self._pm
+        if pm is not None:
+            return pm
+        with self._lock:
+            if self._pm is None:
+                pm = GuardedPluginManager(self.is_frozen, self._invalidate)
+                settings = LoadSettings.from_env()
+                records = entry_points.scan(ENTRY_POINT_GROUP)
+                result = load_entry_points(pm, records, settings)
+                self._discovered = result.plugins
+                self._pm = pm
+            return self._pm
+
+    def _invalidate(self) -> None:
+        self._registry = None
+
+    def registry(self) -> Registry:
+        """The current registry; raises ``PluginLoadError`` under ``ATTNHOST_STRICT=1`` if a plugin failed."""
+        registry = self._registry
+        if registry is None:
+            with self._lock:
+                registry = self._registry
+                if registry is None:
+                    registry = self._build()
+        if self._strict_error is not None:
+            raise self._strict_error
+        return registry
+
+    def _build(self) -> Registry:
+        pm = self.plugin_manager()
+        records = list(self._discovered)
+        known = {info.name for info in records if info.status is PluginStatus.LOADED}
+        for name, plugin in pm.list_name_plugin():
+            if name not in known and plugin is not None:
+                records.append(self._in_process.get(name) or _in_process_info(name, plugin))
+        registry, plugins = build_registry(collect_contributions(pm, records))
+        # A plugin whose hook failed was unregistered; remember why, so a rebuild
+        # (after an in-process registration) reports it the same way.
+        failed = {info.name: info for info in plugins if info.status is PluginStatus.FAILED}
+        self._discovered = [
+            replace(failed[info.name], backends=(), warnings=()) if info.name in failed else info
+            for info in self._discovered
+        ]
+        self._plugins = tuple(plugins)
+        self._registry = registry
+        self._strict_error = _strict_error(self._plugins) if LoadSettings.from_env().strict else None
+        return registry
+
+    def plugins(self) -> tuple[PluginInfo, ...]:
+        """Every discovered or registered plugin with its status, in registration order."""
+        if self._registry is None:
+            with contextlib.suppress(PluginLoadError):
+                self.registry()
+        return self._plugins
+
+    # -- registration --------------------------------------------------------------
+
+    def is_frozen(self) -> bool:
+        return self._frozen
+
+    def freeze(self) -> Registry:
+        """Freeze the registry (idempotent); from now on every registration raises."""
+        with self._lock:
+            registry = self.registry()
+            self._frozen = True
+            return registry
+
+    def _check_not_frozen(self, what: str) -> None:
+        if self._frozen:
+            raise RegistryFrozenError(
+                f"{what} came after the first ServerArgs froze the backend registry; declare it from a "
+                f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or call it before building ServerArgs"
+            )
+
+    def add_choices(self, names: Iterable[str], *, draft: bool) -> None:
+        """SGLang's ``add_*_attention_backend_choices``: name-only additions, before the freeze."""
+        names = list(names) if not isinstance(names, str) else [names]
+        function = "add_draft_attention_backend_choices" if draft else "add_attention_backend_choices"
+        with self._lock:
+            self._check_not_frozen(f"{function}({names!r})")
+            for name in names:
+                check_backend_name(name)
+            pm = self.plugin_manager()
+            target_list = self._declared.draft if draft else self._declared.target
+            target_list.extend(name for name in names if name not in target_list)
+            if not pm.is_registered(self._declared):
+                pm.register(self._declared, name="in-process")
+                self._in_process["in-process"] = _in_process_info("in-process", self._declared)
+            self._invalidate()
+
+    def register_plugin(self, plugin: object, name: str | None = None) -> str:
+        """Register a plugin object (or ``AttentionBackend`` subclass) in-process, before the freeze."""
+        with self._lock:
+            label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+            self._check_not_frozen(f"registering plugin {label!r}")
+            pm = self.plugin_manager()
+            if pm.has_plugin(label):
+                raise ValueError(f"a plugin named {label!r} is already registered; pass another name=")
+            try:
+                register_checked(pm, as_plugin(label, plugin), label)
+            except PluginProblem as problem:
+                raise InvalidPluginError(f"plugin {label!r} {problem}") from None
+            self._in_process[label] = _in_process_info(label, plugin)
+            self._invalidate()
+            return label
+
+    # -- testing and forks -----------------------------------------------------------
+
+    def _after_fork_in_child(self) -> None:
+        # The child inherits loaded modules and a consistent registry; only the lock
+        # may have been held by a thread that no longer exists.
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+
+
+class InvalidPluginError(AttnhostError, ValueError):
+    """An in-process plugin object that cannot be registered."""
+
+
+def _in_process_info(name: str, plugin: object) -> PluginInfo:
+    module = getattr(plugin, "__module__", None) or type(plugin).__module__
+    qualname = getattr(plugin, "__qualname__", None) or type(plugin).__qualname__
+    value = plugin.__name__ if isinstance(plugin, type(sys)) else f"{module}:{qualname}"
+    return PluginInfo(name=name, distribution=None, version=None, value=value, status=PluginStatus.LOADED)
+
+
+def _strict_error(plugins: Iterable[PluginInfo]) -> PluginLoadError | None:
+    failed = [info for info in plugins if info.status in (PluginStatus.FAILED, PluginStatus.DUPLICATE)]
+    conflicted = [info for info in plugins if info.warnings]
+    if not failed and not conflicted:
+        return None
+    parts = [f"{info.origin}: {info.error}" for info in failed]
+    parts += [f"{info.origin}: {warning}" for info in conflicted for warning in info.warnings]
+    return PluginLoadError(
+        f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
+        + "; ".join(parts)
+        + f" — fix or uninstall them, or unset {STRICT_ENV}"
+    )
+
+
+_DEFAULT = PluginHost()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _DEFAULT._after_fork_in_child())
+
+
+def default_host() -> PluginHost:
+    """The host every public function uses."""
+    return _DEFAULT
+
+
+def get_registry() -> Registry:
+    """The backend registry, loading plugins on first use."""
+    return _DEFAULT.registry()
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy plugin manager, loading plugins on first use (registering on it after the freeze raises)."""
+    return _DEFAULT.plugin_manager()
+
+
+def register_plugin(plugin: object, name: str | None = None) -> str:
+    """Register a plugin object or ``AttentionBackend`` subclass in-process, before the first ``ServerArgs``."""
+    return _DEFAULT.register_plugin(plugin, name)
+
+
+def _reset_for_tests() -> None:
+    """Forget every plugin and the freeze; for attnhost's own test-suite only."""
+    _DEFAULT.__init__()  # type: ignore[misc]

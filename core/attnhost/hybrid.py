@@ -1,0 +1,67 @@
+"""A target backend made of two: one for prefill-like forwards, one for decode-like ones.
+
+Used when ``--prefill-attention-backend`` and ``--decode-attention-backend``
+differ. It routes with the same rule as per-layer dispatch
+(:func:`attnhost.forward_mode.uses_decode_backend`), so the kernel that runs
+is always the one dispatch reports.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.forward_mode import ForwardMode, uses_decode_backend
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnhost.forward_batch import ForwardBatch
+
+__all__ = ["HybridAttnBackend"]
+
+
+class HybridAttnBackend(AttentionBackend):
+    """Holds a prefill and a decode backend and sends each forward to the right one."""
+
+    def __init__(
+        self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, speculative_attention_mode: str
+    ) -> None:
+        super().__init__()
+        self.prefill_backend = prefill_backend
+        self.decode_backend = decode_backend
+        self._by_mode = tuple(
+            decode_backend if uses_decode_backend(mode, speculative_attention_mode) else prefill_backend
+            for mode in ForwardMode
+        )
+
+    def select(self, mode: ForwardMode) -> AttentionBackend:
+        """The sub-backend that serves ``mode``."""
+        return self._by_mode[mode]
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        self._by_mode[forward_batch.forward_mode].init_forward_metadata(forward_batch)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        backend = self._by_mode[forward_batch.forward_mode]
+        return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        backend = self._by_mode[forward_batch.forward_mode]
+        return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)

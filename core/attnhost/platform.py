@@ -1,0 +1,140 @@
+"""Which accelerator platform this process runs on, told without importing torch.
+
+Importing torch costs seconds and can initialise a device; every CLI call and
+every worker asks this question first. torch records its build flavour in
+``torch/version.py`` (``hip``, ``cuda``, ``xpu``), so reading that file
+answers it; Ascend's ``torch_npu`` is a separate package whose presence
+suffices. Only questions about live devices (``device_available``) import torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import importlib.util
+import os
+import re
+import sys
+
+from attnhost.errors import PlatformError
+
+__all__ = [
+    "KNOWN_PLATFORMS",
+    "PLATFORM_ENV",
+    "current_platform",
+    "detect_platform",
+    "device_available",
+    "normalize_platform",
+    "torch_build_info",
+]
+
+PLATFORM_ENV = "ATTNHOST_PLATFORM"
+KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
+_SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
+_VERSION_LINE = re.compile(r"^(__version__|hip|cuda|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
+
+
+def normalize_platform(name: str, *, origin: str = "") -> str:
+    """Return the canonical lower-case platform name, or raise ``PlatformError`` with a suggestion."""
+    key = name.strip().lower()
+    key = _SPELLINGS.get(key, key)
+    if key in KNOWN_PLATFORMS:
+        return key
+    close = difflib.get_close_matches(key, KNOWN_PLATFORMS, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    where = f" (from {origin})" if origin else ""
+    raise PlatformError(f"unknown platform {name!r}{where}; {hint}choose from: {', '.join(KNOWN_PLATFORMS)}")
+
+
+@functools.lru_cache(maxsize=1)
+def torch_build_info() -> dict[str, str | None]:
+    """Read torch's build metadata from ``torch/version.py`` without executing torch.
+
+    Returns ``{}`` when torch is not installed. Values are the literal strings
+    recorded at build time (``None`` when the field is ``None``).
+    """
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return {}
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    for location in spec.submodule_search_locations:
+        try:
+            with open(os.path.join(location, "version.py"), encoding="utf-8") as handle:
+                text = handle.read()
+        except OSError:
+            continue
+        info: dict[str, str | None] = {}
+        for key, raw in _VERSION_LINE.findall(text):
+            value = raw.strip()
+            info[key] = None if value == "None" else value.strip("'\"")
+        return info
+    return {}
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def detect_platform() -> str:
+    """Detect the platform from installed packages' build metadata; never imports torch."""
+    if _module_present("torch_npu"):
+        return "npu"
+    info = torch_build_info()
+    if info.get("hip"):
+        return "rocm"
+    if info.get("cuda"):
+        return "cuda"
+    if info.get("xpu"):
+        return "xpu"
+    if info and sys.platform == "darwin" and os.uname().machine == "arm64":
+        return "mps"
+    return "cpu"
+
+
+def current_platform(override: str | None = None) -> str:
+    """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection."""
+    if override:
+        return normalize_platform(override)
+    from_env = os.environ.get(PLATFORM_ENV, "").strip()
+    if from_env:
+        return normalize_platform(from_env, origin=PLATFORM_ENV)
+    return detect_platform()
+
+
+def describe_detection() -> str:
+    """One line saying where the platform came from, for ``attnhost list`` and traces."""
+    if os.environ.get(PLATFORM_ENV, "").strip():
+        return f"from {PLATFORM_ENV}"
+    info = torch_build_info()
+    if not info:
+        return "detected: torch is not installed"
+    version = info.get("__version__") or "unknown version"
+    return f"detected from torch {version} build metadata"
+
+
+def device_available(platform: str) -> bool:
+    """Whether a device of ``platform`` is usable now; imports torch, so call it only at run time."""
+    platform = normalize_platform(platform)
+    if platform == "cpu":
+        return True
+    import torch
+
+    if platform in ("cuda", "rocm"):
+        return bool(torch.cuda.is_available())
+    if platform == "xpu":
+        return bool(hasattr(torch, "xpu") and torch.xpu.is_available())
+    if platform == "mps":
+        return bool(torch.backends.mps.is_available())
+    if platform == "npu":
+        try:
+            importlib.import_module("torch_npu")  # registers torch.npu
+        except ImportError:
+            return False
+        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+    return False

@@ -1,0 +1,294 @@
+"""The registry: every backend name, its aliases, roles and provenance, immutable once built.
+
+It is rebuilt from the plugin manager whenever a registration happens before
+the freeze, and never changes after it. Outside code only ever sees read-only
+views (``names()`` returns tuples, lookups return frozen specs), so nobody can
+corrupt it the way SGLang's module-level lists could be.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Literal
+
+import pluggy
+
+from attnhost.discovery import PluginInfo, PluginStatus, describe_exception
+from attnhost.errors import UnknownBackendError
+from attnhost.spec import BackendSpec, check_backend_name
+
+__all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
+
+logger = logging.getLogger("attnhost")
+
+Role = Literal["target", "draft"]
+ROLES: tuple[Role, ...] = ("target", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """A registered backend: its spec and which plugin gave it (and, if overridden, who declared it)."""
+
+    spec: BackendSpec
+    plugin: str
+    distribution: str | None
+    version: str | None
+    draft: bool = False
+    declared_by: str | None = None
+    """The plugin that declared the name before ``plugin`` implemented it, if any."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("target", "draft") if self.draft else ("target",)
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """What one plugin's hooks returned, validated, before merging."""
+
+    plugin: PluginInfo
+    specs: tuple[BackendSpec, ...]
+    draft_names: tuple[str, ...]
+
+
+class Registry(Mapping[str, BackendSpec]):
+    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names."""
+
+    __slots__ = ("_aliases", "_draft", "_entries", "_order")
+
+    def __init__(
+        self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], draft_order: Sequence[str] = ()
+    ) -> None:
+        self._entries = MappingProxyType(dict(entries))
+        self._aliases = MappingProxyType(dict(aliases))
+        self._order = tuple(entries)
+        # Draft names keep the order plugins declared them in (SGLang's list order for the built-ins).
+        declared = [name for name in draft_order if name in entries and entries[name].draft]
+        rest = [name for name, entry in entries.items() if entry.draft and name not in declared]
+        self._draft = tuple(dict.fromkeys(declared + rest))
+
+    def canonical(self, name: str) -> str | None:
+        """The canonical name for ``name`` (itself, or what it is an alias of), or None."""
+        if name in self._entries:
+            return name
+        return self._aliases.get(name)
+
+    def __getitem__(self, name: str) -> BackendSpec:
+        return self.entry(name).spec
+
+    def entry(self, name: str) -> BackendEntry:
+        """The entry for ``name`` or an alias of it; raises ``UnknownBackendError`` with a suggestion."""
+        canonical = self.canonical(name) if isinstance(name, str) else None
+        if canonical is None:
+            raise UnknownBackendError(self.unknown_message(name))
+        return self._entries[canonical]
+
+    def unknown_message(self, name: object, what: str = "attention backend") -> str:
+        """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
+        known = list(self._order) + list(self._aliases)
+        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        if close:
+            return f"unknown {what} {name!r}; did you mean {self.canonical(close[0])!r}?"
+        return f"unknown {what} {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.canonical(name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def names(self, role: Role | None = None) -> tuple[str, ...]:
+        """Canonical names in registration order; ``role="draft"`` keeps only draft-capable ones."""
+        if role is None or role == "target":
+            return self._order
+        if role == "draft":
+            return self._draft
+        raise ValueError(f"unknown role {role!r}; use 'target' or 'draft'")
+
+    def aliases(self) -> Mapping[str, str]:
+        """Alias → canonical name, read-only."""
+        return self._aliases
+
+    def is_draft_capable(self, name: str) -> bool:
+        """The one source of truth for draft capability (no other list may exist)."""
+        canonical = self.canonical(name)
+        return canonical is not None and self._entries[canonical].draft
+
+    def entries(self) -> tuple[BackendEntry, ...]:
+        return tuple(self._entries.values())
+
+
+def _call_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str) -> Any:
+    """Call one plugin's implementation of a no-argument hook, or return None if it has none."""
+    caller = getattr(pm.hook, hook_name)
+    for impl in caller.get_hookimpls():
+        if impl.plugin_name == plugin_name:
+            return impl.function()
+    return None
+
+
+def _expect_sequence(value: object, hook_name: str, item_type: type, item_label: str) -> tuple[Any, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{hook_name}() returned {type(value).__name__} {value!r:.60}; it must return a list of {item_label}"
+        )
+    for item in value:
+        if not isinstance(item, item_type):
+            raise TypeError(
+                f"{hook_name}() returned a list containing {type(item).__name__} {item!r:.60}; "
+                f"every item must be a {item_label[:-1] if item_label.endswith('s') else item_label}"
+            )
+    return tuple(value)
+
+
+def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo]) -> list[Contribution | PluginInfo]:
+    """Call each loaded plugin's hooks in isolation; a plugin whose hook fails yields a failed ``PluginInfo``.
+
+    Hooks are called per plugin rather than through pluggy's fan-out so that
+    one plugin's exception or bad return value is attributed to it alone and
+    the others' contributions survive.
+    """
+    out: list[Contribution | PluginInfo] = []
+    for info in plugins:
+        if info.status is not PluginStatus.LOADED:
+            out.append(info)
+            continue
+        hook = "attnhost_attention_backends"
+        try:
+            specs = _expect_sequence(_call_hook(pm, hook, info.name) or [], hook, BackendSpec, "BackendSpecs")
+            hook = "attnhost_draft_attention_backends"
+            draft_raw = _call_hook(pm, hook, info.name)
+            drafts = _expect_sequence(draft_raw or [], hook, str, "backend names")
+            for draft_name in drafts:
+                check_backend_name(draft_name, "draft backend name")
+        except (Exception, SystemExit) as exc:
+            cause = f"hook {hook} raised {describe_exception(exc)}"
+            if isinstance(exc, TypeError) and str(exc).startswith(hook):
+                cause = str(exc)
+            failed = replace(info, status=PluginStatus.FAILED, error=cause)
+            logger.warning("%s failed to load: %s; its backends are ignored; fix or uninstall it", failed.origin, cause)
+            pm.unregister(name=info.name)
+            out.append(failed)
+            continue
+        out.append(Contribution(info, specs, drafts))
+    return out
+
+
+class _Merger:
+    """Merges contributions in order; collisions are resolved deterministically and reported."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, BackendEntry] = {}
+        self.aliases: dict[str, str] = {}
+        self.notes: dict[str, list[str]] = {}
+        self.owned: dict[str, list[str]] = {}
+        self.draft_order: list[str] = []
+
+    def _note(self, plugin: PluginInfo, message: str) -> None:
+        logger.warning("%s", message)
+        self.notes.setdefault(plugin.name, []).append(message)
+
+    def _owner(self, name: str) -> BackendEntry | None:
+        canonical = name if name in self.entries else self.aliases.get(name)
+        return self.entries.get(canonical) if canonical else None
+
+    @staticmethod
+    def _label(entry: BackendEntry) -> str:
+        if entry.distribution is None:
+            return f"plugin {entry.plugin!r} (registered in-process)"
+        return f"plugin {entry.plugin!r} (distribution {entry.distribution} {entry.version})"
+
+    def add_spec(self, plugin: PluginInfo, spec: BackendSpec) -> None:
+        existing = self._owner(spec.name)
+        if existing is None:
+            self.entries[spec.name] = BackendEntry(spec, plugin.name, plugin.distribution, plugin.version)
+            self.owned.setdefault(plugin.name, []).append(spec.name)
+        elif existing.name != spec.name:
+            self._note(
+                plugin,
+                f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
+                f"{existing.name!r} from {self._label(existing)}; ignored — rename the backend",
+            )
+            return
+        elif spec.implemented and not existing.spec.implemented:
+            merged = replace(
+                spec,
+                aliases=tuple(dict.fromkeys(existing.spec.aliases + spec.aliases)),
+                platforms=spec.platforms or existing.spec.platforms,
+                requires=spec.requires or existing.spec.requires,
+                provided_by=spec.provided_by or existing.spec.provided_by,
+                description=spec.description or existing.spec.description,
+            )
+            self.entries[spec.name] = BackendEntry(
+                merged, plugin.name, plugin.distribution, plugin.version, existing.draft, existing.plugin
+            )
+            self.owned.setdefault(plugin.name, []).append(spec.name)
+        elif spec.implemented:
+            self._note(
+                plugin,
+                f"backend {spec.name!r} is implemented by both {self._label(existing)} and {plugin.origin}; "
+                f"keeping {existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS",
+            )
+            return
+        else:
+            return  # declaring a name that already exists adds nothing
+        for alias in spec.aliases:
+            self.add_alias(plugin, spec.name, alias)
+
+    def add_alias(self, plugin: PluginInfo, canonical: str, alias: str) -> None:
+        owner = self._owner(alias)
+        if owner is None:
+            self.aliases[alias] = canonical
+        elif owner.name != canonical:
+            self._note(
+                plugin,
+                f"{plugin.origin} gives backend {canonical!r} the alias {alias!r}, which already names "
+                f"{owner.name!r} from {self._label(owner)}; alias ignored",
+            )
+
+    def add_draft(self, plugin: PluginInfo, name: str) -> None:
+        owner = self._owner(name)
+        if owner is None:
+            self._note(
+                plugin,
+                f"{plugin.origin} declares draft backend {name!r}, but no plugin registered a backend of that "
+                "name; ignored — register it from attnhost_attention_backends too",
+            )
+            return
+        if not owner.draft:
+            self.entries[owner.name] = replace(owner, draft=True)
+            self.draft_order.append(owner.name)
+
+
+def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
+    """Merge contributions in order into a registry; returns it and the final plugin records."""
+    merger = _Merger()
+    contribs = [c for c in contributions if isinstance(c, Contribution)]
+    for contrib in contribs:
+        for spec in contrib.specs:
+            merger.add_spec(contrib.plugin, spec)
+    for contrib in contribs:
+        for name in contrib.draft_names:
+            merger.add_draft(contrib.plugin, name)
+    plugins: list[PluginInfo] = []
+    for item in contributions:
+        info = item.plugin if isinstance(item, Contribution) else item
+        plugins.append(
+            replace(
+                info,
+                backends=tuple(merger.owned.get(info.name, ())),
+                warnings=info.warnings + tuple(merger.notes.get(info.name, ())),
+            )
+        )
+    return Registry(merger.entries, merger.aliases, merger.draft_order), plugins

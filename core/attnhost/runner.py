@@ -1,0 +1,173 @@
+"""``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
+
+Each runner resolves its backend names from the immutable args, builds its
+backend through the registry, stamps the names on that backend instance, and
+offers a forward context for its forwards. It never writes to the args, to a
+module global, or to another runner — the isolation SGLang #28559 had to
+retrofit holds here by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnhost.availability import check_availability
+from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.context import ForwardContext, dispatch_table
+from attnhost.discovery import describe_exception
+from attnhost.errors import BackendUnavailableError
+from attnhost.forward_batch import ForwardBatch, KVPool
+from attnhost.forward_mode import ForwardMode
+from attnhost.host import get_registry
+from attnhost.hybrid import HybridAttnBackend
+from attnhost.platform import current_platform
+from attnhost.resolve import (
+    DraftResolution,
+    TargetResolution,
+    resolve_attention_backends,
+    resolve_draft_attention_backend,
+)
+from attnhost.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """A target or draft model runner: shape, KV cache, and an isolated attention backend.
+
+    Everything but ``args`` has a default that fits a CPU test or demo; a
+    real engine passes its model's shape. ``platform`` overrides detection
+    (as ``--platform`` does), which matters only for resolution and the
+    availability check.
+    """
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        *,
+        is_draft: bool = False,
+        num_layers: int = 2,
+        num_heads: int = 8,
+        num_kv_heads: int = 2,
+        head_dim: int = 64,
+        max_requests: int = 16,
+        max_context_len: int = 2048,
+        num_slots: int | None = None,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        platform: str | None = None,
+    ) -> None:
+        if not isinstance(args, ServerArgs):
+            raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
+        self.args = args
+        self.is_draft = is_draft
+        self.platform = current_platform(platform)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.device = torch.device(device)
+        self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
+        self.kv_pool = KVPool(
+            num_layers,
+            num_slots if num_slots is not None else max_requests * max_context_len // 4,
+            num_kv_heads,
+            head_dim,
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.resolution: TargetResolution | DraftResolution
+        if is_draft:
+            self.resolution = resolve_draft_attention_backend(args, self.platform)
+            prefill = decode = self.resolution.name
+        else:
+            self.resolution = resolve_attention_backends(args, self.platform)
+            prefill, decode = self.resolution.prefill, self.resolution.decode
+        self.prefill_attention_backend_str = prefill
+        self.decode_attention_backend_str = decode
+        self.attn_backend = self._build_backend(prefill, decode)
+        self.attn_backend.prefill_attention_backend_str = prefill
+        self.attn_backend.decode_attention_backend_str = decode
+        self._stamps: tuple[str | None, str | None] = (prefill, decode)
+        self._context = ForwardContext(self.attn_backend, self._dispatch_names(), owner=self)
+
+    @property
+    def role(self) -> str:
+        return "draft" if self.is_draft else "target"
+
+    def __repr__(self) -> str:
+        return (
+            f"<ModelRunner {self.role} prefill={self.prefill_attention_backend_str!r} "
+            f"decode={self.decode_attention_backend_str!r} on {self.platform}>"
+        )
+
+    def _build_backend(self, prefill: str, decode: str) -> AttentionBackend:
+        if prefill == decode:
+            return self._build_one(prefill)
+        hybrid = HybridAttnBackend(
+            self._build_one(prefill), self._build_one(decode), self.args.speculative_attention_mode
+        )
+        for sub, name in ((hybrid.prefill_backend, prefill), (hybrid.decode_backend, decode)):
+            sub.prefill_attention_backend_str = sub.decode_attention_backend_str = name
+        return hybrid
+
+    def _build_one(self, name: str) -> AttentionBackend:
+        entry = get_registry().entry(name)
+        where = f"{self.role} runner: attention backend {name!r} (from plugin {entry.plugin!r})"
+        availability = check_availability(entry, self.platform)
+        if not availability.available:
+            raise BackendUnavailableError(
+                f"{where} is unavailable: {availability.reason}; choose another backend (see `attnhost list`)"
+            )
+        try:
+            factory = entry.spec.load()
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"{where} could not be loaded: {describe_exception(exc)}; reinstall "
+                f"{entry.distribution or 'the plugin'} or choose another backend"
+            ) from exc
+        backend = factory(self)
+        if not isinstance(backend, AttentionBackend):
+            raise BackendUnavailableError(
+                f"{where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
+                f"report this to the maintainers of {entry.distribution or entry.plugin}"
+            )
+        return backend
+
+    def _dispatch_names(self) -> tuple[str, ...]:
+        default_prefill, default_decode = self.args.get_attention_backends()
+        prefill = self.attn_backend.prefill_attention_backend_str or default_prefill
+        decode = self.attn_backend.decode_attention_backend_str or default_decode
+        if prefill is None or decode is None:
+            raise BackendUnavailableError(
+                f"{self.role} runner: its backend carries no backend names and the args name none"
+            )
+        return dispatch_table(prefill, decode, self.args.speculative_attention_mode)
+
+    def forward_context(self) -> AbstractContextManager[AttentionBackend]:
+        """Make this runner's backend the current one for the forwards inside the ``with`` block."""
+        backend = self.attn_backend
+        context = self._context
+        stamps = (backend.prefill_attention_backend_str, backend.decode_attention_backend_str)
+        if stamps != self._stamps:
+            # The stamps changed since the last forward: honour them, as SGLang reads them per forward.
+            self._stamps = stamps
+            context = self._context = ForwardContext(backend, self._dispatch_names(), owner=self)
+        return context.activate()
+
+    # -- convenience for models and tests ------------------------------------------
+
+    def new_request(self) -> int:
+        """Allocate a request slot in this runner's KV cache."""
+        return self.kv_pool.alloc_request()
+
+    def prepare_batch(self, mode: ForwardMode, requests: Iterable[tuple[int, int, int]]) -> ForwardBatch:
+        """Allocate KV slots for ``(request, prefix_len, extend_len)`` triples and build the batch."""
+        batch = ForwardBatch.prepare(self.kv_pool, mode, requests)
+        self.attn_backend.init_forward_metadata(batch)
+        return batch

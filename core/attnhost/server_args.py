@@ -1,0 +1,111 @@
+"""``ServerArgs``: the immutable attention settings, validated against the frozen registry.
+
+Building the first one freezes the registry, because from then on argument
+values have been checked against the set of choices and that set must not
+move. Args are never written after construction — the bug of SGLang #28559
+was exactly a runner writing into shared args.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from attnhost.errors import UnknownBackendError
+from attnhost.host import default_host, get_registry
+from attnhost.registry import Registry
+
+__all__ = ["SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
+
+SPECULATIVE_ATTENTION_MODES: tuple[str, ...] = ("prefill", "decode")
+
+_BACKEND_FIELDS: tuple[tuple[str, str], ...] = (
+    ("attention_backend", "the attention backend for prefill and decode"),
+    ("prefill_attention_backend", "the attention backend for prefill (overrides --attention-backend)"),
+    ("decode_attention_backend", "the attention backend for decode (overrides --attention-backend)"),
+    (
+        "speculative_draft_attention_backend",
+        "the attention backend of the speculative draft model (default: inherit the target's prefill backend)",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    """SGLang's attention-related server arguments, with SGLang's names."""
+
+    attention_backend: str | None = None
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
+    speculative_draft_attention_backend: str | None = None
+    speculative_attention_mode: Literal["prefill", "decode"] = "prefill"
+
+    def __post_init__(self) -> None:
+        registry = default_host().freeze()
+        for name, _ in _BACKEND_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _canonical(registry, value, name))
+        if self.speculative_attention_mode not in SPECULATIVE_ATTENTION_MODES:
+            raise ValueError(
+                f"invalid speculative_attention_mode {self.speculative_attention_mode!r}; "
+                f"choose from: {', '.join(SPECULATIVE_ATTENTION_MODES)}"
+            )
+
+    def get_attention_backends(self) -> tuple[str | None, str | None]:
+        """``(prefill, decode)``: the specific flag if given, else ``attention_backend``."""
+        return (
+            self.prefill_attention_backend or self.attention_backend,
+            self.decode_attention_backend or self.attention_backend,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add SGLang's attention flags; choices come from every installed plugin."""
+        registry = get_registry()
+        names = registry.names()
+        group = parser.add_argument_group("attention backends")
+        for name, help_text in _BACKEND_FIELDS:
+            group.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                type=_backend_type(registry),
+                choices=names,
+                default=None,
+                metavar="NAME",
+                help=help_text + "; choices: %(choices)s",
+            )
+        group.add_argument(
+            "--speculative-attention-mode",
+            dest="speculative_attention_mode",
+            choices=SPECULATIVE_ATTENTION_MODES,
+            default="prefill",
+            help="which backend verifies draft tokens: the prefill or the decode one (default: %(default)s)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> ServerArgs:
+        """Build from a namespace parsed with a parser that ``add_cli_args`` set up."""
+        values = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
+        return cls(**values)
+
+
+def _canonical(registry: Registry, value: object, field_name: str) -> str:
+    if isinstance(value, str):
+        canonical = registry.canonical(value)
+        if canonical is not None:
+            return canonical
+    raise UnknownBackendError(f"{field_name}: {registry.unknown_message(value)}")
+
+
+def _backend_type(registry: Registry) -> Callable[[str], str]:
+    def convert(value: str) -> str:
+        canonical = registry.canonical(value)
+        if canonical is None:
+            raise argparse.ArgumentTypeError(registry.unknown_message(value))
+        return canonical
+
+    convert.__name__ = "attention backend"
+    return convert

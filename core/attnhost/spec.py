@@ -1,0 +1,136 @@
+"""``BackendSpec``: what a plugin says about one attention backend, without importing it.
+
+A spec is pure data plus a *lazy* factory reference, so discovery and the CLI
+can list, validate and explain every backend of every installed plugin
+without paying for (or crashing on) its kernels. Only ``load()`` imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from attnhost.backend import AttentionBackend
+    from attnhost.runner import ModelRunner
+
+__all__ = ["BackendFactory", "BackendSpec", "check_backend_name", "import_object"]
+
+BackendFactory = Callable[["ModelRunner"], "AttentionBackend"]
+"""Called once per model runner as ``factory(runner)``; returns that runner's own backend."""
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*\Z")
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+
+
+def check_backend_name(name: object, what: str = "backend name") -> str:
+    """Return ``name`` if it can be typed on a command line and printed in a table, else raise.
+
+    Names become argparse choices and JSON keys; spaces, empty strings or
+    punctuation would make them untypable or ambiguous.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"{what} must be a string, not {type(name).__name__} {name!r}")
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid {what} {name!r}: use letters, digits, '_', '-' or '.', starting with a letter or digit"
+        )
+    return name
+
+
+def import_object(reference: str) -> Any:
+    """Import ``"package.module:attr.sub"`` (or a bare module) the way entry points do."""
+    module_name, _, attrs = reference.partition(":")
+    obj: Any = importlib.import_module(module_name.strip())
+    for attr in filter(None, attrs.strip().split(".")):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _as_tuple(value: str | Iterable[str] | None, what: str, spec_name: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"backend {spec_name!r}: {what} must be strings, got {item!r}")
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One attention backend as a plugin declares it.
+
+    ``factory`` is ``"module:attr"`` (imported only by :meth:`load`), a
+    callable, or ``None`` for a *declared-only* name: a known choice whose
+    implementation is not installed, reported as such instead of faked.
+    ``platforms`` empty means "any platform". ``requires`` lists the Python
+    modules the kernels need; ``provided_by`` is the pip distribution a user
+    installs to get them, named in every "unavailable" error.
+    """
+
+    name: str
+    factory: Union[str, BackendFactory, None] = None  # noqa: UP007 - a runtime alias with a string part
+    aliases: tuple[str, ...] = ()
+    platforms: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    provided_by: str | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        check_backend_name(self.name)
+        set_ = object.__setattr__
+        aliases = _as_tuple(self.aliases, "aliases", self.name)
+        for alias in aliases:
+            check_backend_name(alias, f"alias of backend {self.name!r}")
+        set_(self, "aliases", aliases)
+        set_(self, "platforms", tuple(p.lower() for p in _as_tuple(self.platforms, "platforms", self.name)))
+        requires = _as_tuple(self.requires, "required modules", self.name)
+        for module in requires:
+            if not _MODULE_RE.match(module):
+                raise ValueError(f"backend {self.name!r}: {module!r} is not a Python module name")
+        set_(self, "requires", requires)
+        if isinstance(self.factory, str):
+            module_name = self.factory.partition(":")[0].strip()
+            if not _MODULE_RE.match(module_name):
+                raise ValueError(f"backend {self.name!r}: factory {self.factory!r} is not a 'module:attr' reference")
+        elif self.factory is not None and not callable(self.factory):
+            raise ValueError(
+                f"backend {self.name!r}: factory must be a 'module:attr' string, a callable or None, "
+                f"not {type(self.factory).__name__}"
+            )
+        if not isinstance(self.description, str):
+            raise ValueError(f"backend {self.name!r}: description must be a string")
+        if self.provided_by is not None and not isinstance(self.provided_by, str):
+            raise ValueError(f"backend {self.name!r}: provided_by must be a distribution name")
+
+    @property
+    def implemented(self) -> bool:
+        """Whether an implementation is declared (a declared-only name has none)."""
+        return self.factory is not None
+
+    @property
+    def factory_module(self) -> str | None:
+        """The module :meth:`load` would import, without importing it."""
+        if isinstance(self.factory, str):
+            return self.factory.partition(":")[0].strip()
+        if self.factory is None:
+            return None
+        return getattr(self.factory, "__module__", None)
+
+    def load(self) -> BackendFactory:
+        """Import (if needed) and return the factory; the first and only place that imports it."""
+        if self.factory is None:
+            raise LookupError(f"backend {self.name!r} is declared only: it has no factory to load")
+        if isinstance(self.factory, str):
+            obj = import_object(self.factory)
+            if not callable(obj):
+                raise TypeError(f"factory {self.factory!r} of backend {self.name!r} is not callable")
+            factory: BackendFactory = obj
+            return factory
+        return self.factory

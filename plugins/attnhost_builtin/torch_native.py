@@ -1,0 +1,231 @@
+"""SGLang's ``torch_native`` backend: causal attention with PyTorch's SDPA over the KV cache.
+
+Per-batch work (``init_forward_metadata``) decides, once, how each request's
+keys are read and which mask it needs; per-layer work is then one SDPA call
+per request plus the cache write.  Two measured choices shape the code:
+
+* The cache is token-major (``[slot, kv_head, dim]``).  A request whose slots
+  form one ascending run is read through a zero-copy view; only fragmented
+  requests pay for a gather.
+* For GQA/MQA the ``group`` query heads that share a KV head are folded into
+  the query-length axis (``[kv_heads, group * tokens, dim]``), so SDPA sees a
+  plain multi-head problem.  On CPU this is 4-30x faster than
+  ``enable_gqa=True`` for decode and short extends (``enable_gqa`` falls back
+  to a slow path for few queries) and never slower for long ones.  The one
+  exception is a long prefill without prefix: there ``is_causal=True`` avoids
+  materialising a ``group * tokens * tokens`` mask at the same speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from attnhost.backend import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from attnhost.forward_batch import ForwardBatch
+    from attnhost.runner import ModelRunner
+
+__all__ = ["TorchNativeAttnBackend"]
+
+# Above this many query rows a prefix-free request uses is_causal + enable_gqa
+# instead of a folded, masked call (same speed, no mask memory).
+_CAUSAL_MIN_TOKENS = 256
+# Largest folded mask (elements) worth materialising; beyond it the unfolded
+# [tokens, seq] mask with enable_gqa costs the same compute and less memory.
+_MAX_FOLDED_MASK = 1 << 25
+
+
+@dataclass(slots=True)
+class _RequestPlan:
+    """How one request is attended: its rows in ``q``, its keys, its mask."""
+
+    q_start: int
+    q_len: int
+    prefix_len: int
+    seq_len: int
+    kv_run: tuple[int, int] | None  # contiguous slot range, read as a view
+    kv_index: torch.Tensor | None  # gather indices when the slots are fragmented
+    masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
+
+    def keys(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer."""
+        if self.kv_run is not None:
+            return buffer[self.kv_run[0] : self.kv_run[1]]
+        assert self.kv_index is not None
+        return buffer.index_select(0, self.kv_index)
+
+    def uses_is_causal(self, group: int) -> bool:
+        """Whether SDPA's top-left ``is_causal`` is exact here (square, no prefix) and cheaper."""
+        return (
+            self.prefix_len == 0
+            and self.q_len > 1
+            and (group == 1 or self.q_len >= _CAUSAL_MIN_TOKENS or not self._fold_fits(group))
+        )
+
+    def folds(self, group: int) -> bool:
+        return group > 1 and not self.uses_is_causal(group) and self._fold_fits(group)
+
+    def _fold_fits(self, group: int) -> bool:
+        return self.q_len <= 1 or group * self.q_len * self.seq_len <= _MAX_FOLDED_MASK
+
+    def mask(self, group: int, device: torch.device) -> torch.Tensor | None:
+        """The bottom-right-aligned causal mask, rows repeated per folded head; cached."""
+        if group not in self.masks:
+            self.masks[group] = self._build_mask(group, device)
+        return self.masks[group]
+
+    def _build_mask(self, group: int, device: torch.device) -> torch.Tensor | None:
+        if self.q_len == 1 or self.uses_is_causal(group):
+            return None  # a single query sees every key; is_causal needs no mask
+        rows = torch.arange(self.q_len, device=device).unsqueeze(1) + self.prefix_len
+        cols = torch.arange(self.seq_len, device=device).unsqueeze(0)
+        allowed = cols <= rows
+        return allowed.repeat(group, 1) if self.folds(group) else allowed
+
+
+@dataclass(slots=True)
+class _BatchPlan:
+    batch: ForwardBatch
+    requests: list[_RequestPlan]
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
+
+    def __init__(self, runner: ModelRunner | None = None) -> None:
+        super().__init__(runner)
+        self._plan: _BatchPlan | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Resolve every request's key slots once, so layers only slice and call SDPA."""
+        table = forward_batch.kv_pool.req_to_token
+        rows = forward_batch.req_pool_indices.tolist()
+        plans = [
+            _plan_request(table[row], q_start, prefix, extend)
+            for row, q_start, prefix, extend in zip(
+                rows,
+                forward_batch.extend_start_loc_cpu,
+                forward_batch.prefix_lens_cpu,
+                forward_batch.extend_seq_lens_cpu,
+                strict=True,
+            )
+        ]
+        self._plan = _BatchPlan(forward_batch, plans)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        # Decode is the one-token case of extend: no mask, every key visible.
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        plan = self._plan_for(forward_batch)
+        pool = forward_batch.kv_pool
+        if save_kv_cache:
+            kv_shape = (-1, layer.num_kv_heads, layer.head_dim)
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
+        if len(plan.requests) == 1:
+            # SDPA's CPU flash kernel already lays its output out token-major,
+            # so a lone request needs no copy into an output buffer.
+            req = plan.requests[0]
+            return _attend_request(q, req.keys(k_buffer), req.keys(v_buffer), layer, req).contiguous()
+        out = q.new_empty(q.shape)
+        for req in plan.requests:
+            q_req = q[req.q_start : req.q_start + req.q_len]
+            out[req.q_start : req.q_start + req.q_len] = _attend_request(
+                q_req, req.keys(k_buffer), req.keys(v_buffer), layer, req
+            )
+        return out
+
+    def _plan_for(self, forward_batch: ForwardBatch) -> _BatchPlan:
+        plan = self._plan
+        if plan is None or plan.batch is not forward_batch:
+            raise RuntimeError(
+                "TorchNativeAttnBackend: init_forward_metadata() was not called for this "
+                "ForwardBatch; call it once per batch before the layers run"
+            )
+        return plan
+
+
+def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: int) -> _RequestPlan:
+    """Read the request's slots once and pick a view (one ascending run) or a gather."""
+    seq_len = prefix + extend
+    slots = slots_row[:seq_len]
+    first = int(slots[0])
+    steps = slots[1:] - slots[:-1]
+    contiguous = bool((steps == 1).all())
+    return _RequestPlan(
+        q_start=q_start,
+        q_len=extend,
+        prefix_len=prefix,
+        seq_len=seq_len,
+        kv_run=(first, first + seq_len) if contiguous else None,
+        kv_index=None if contiguous else slots.clone(),
+    )
+
+
+def _attend_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: AttentionLayer,
+    req: _RequestPlan,
+) -> torch.Tensor:
+    """SDPA for one request: ``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[seq, kv_heads, dim]``.
+
+    Inputs are given SDPA as 4-D ``[1, heads, len, dim]`` views: on CPU only
+    4-D inputs reach the fused flash kernel; 3-D ones take the ~1.6x slower
+    math path.
+    """
+    group = layer.num_heads // layer.num_kv_heads
+    k_h, v_h = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # views
+    if k_h.dtype != q.dtype:
+        k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
+    mask = req.mask(group, q.device)
+    q_h = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim]
+    if req.folds(group):
+        folded = q_h.reshape(1, layer.num_kv_heads, group * req.q_len, layer.head_dim)
+        o = F.scaled_dot_product_attention(folded, k_h, v_h, attn_mask=mask, scale=layer.scaling)
+        return o.reshape(layer.num_heads, req.q_len, layer.head_dim).transpose(0, 1)
+    o = F.scaled_dot_product_attention(
+        q_h,
+        k_h,
+        v_h,
+        attn_mask=mask,
+        is_causal=req.uses_is_causal(group),
+        scale=layer.scaling,
+        enable_gqa=group > 1,
+    )
+    return o[0].transpose(0, 1)

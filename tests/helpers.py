@@ -1,0 +1,67 @@
+"""Run attnhost in a subprocess against real distributions on extra ``sys.path`` entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from distgen import make_dist
+
+GROUP = "sglang.draft_attention_backends"
+
+
+def subprocess_env(path_entries: Iterable[Path | str] = (), env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The current environment with ``path_entries`` first on PYTHONPATH and no attnhost settings."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
+    entries = [str(p) for p in path_entries]
+    if base.get("PYTHONPATH"):
+        entries.append(base["PYTHONPATH"])
+    if entries:
+        base["PYTHONPATH"] = os.pathsep.join(entries)
+    base.update(env or {})
+    return base
+
+
+def run_cli(
+    *args: str, path_entries: Iterable[Path | str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m attnhost ARGS`` in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "attnhost", *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(path_entries, env),
+        timeout=120,
+    )
+
+
+def run_python(
+    code: str, *, path_entries: Iterable[Path | str] = (), env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(path_entries, env),
+        timeout=120,
+    )
+
+
+def list_json(path_entries: Iterable[Path | str] = (), env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    result = run_cli("list", "--json", path_entries=path_entries, env=env)
+    assert result.returncode == 0, result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def make_plugin(
+    root: Path, dist: str, version: str, entry_name: str, module: str, source: str, attr: str | None = None
+) -> Path:
+    """One plugin distribution: a module with ``source`` and an entry point ``entry_name = module[:attr]``."""
+    value = f"{module}:{attr}" if attr else module
+    return make_dist(root, dist, version, {GROUP: {entry_name: value}}, modules={module: source})

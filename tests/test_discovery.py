@@ -1,0 +1,162 @@
+"""Discovery from real installed distributions (dist-info on a temporary path), in fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from distgen import make_dist
+from helpers import GROUP, list_json, make_plugin, run_cli, run_python
+
+HOOK_PLUGIN = """
+import attnhost
+
+@attnhost.hookimpl
+def attnhost_attention_backends():
+    return [
+        attnhost.BackendSpec(
+            name="acme", factory="acme_kernels:AcmeBackend", aliases=("acme_v1",),
+            platforms=("cpu",), requires=("acme_kernels",), description="ACME fused attention",
+        ),
+        attnhost.BackendSpec(name="acme_target_only", factory="acme_kernels:AcmeBackend"),
+    ]
+
+@attnhost.hookimpl
+def attnhost_draft_attention_backends():
+    return ["acme_v1"]
+"""
+
+# The factory module records that it was imported; discovery must never import it.
+ACME_KERNELS = "import os\nopen(os.environ['ACME_MARKER'], 'w').write('imported')\nclass AcmeBackend: pass\n"
+
+SHORTHAND = '''
+import attnhost
+
+class Tiny(attnhost.AttentionBackend):
+    """A tiny backend declared with the one-line shorthand."""
+    def init_forward_metadata(self, forward_batch): pass
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True): raise NotImplementedError
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True): raise NotImplementedError
+'''
+
+
+def _backends(data: dict) -> dict[str, dict]:
+    return {b["name"]: b for b in data["backends"]}
+
+
+def test_hook_plugin_is_discovered_with_provenance_and_not_imported(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_plugin(site, "acme-attention", "2.3.1", "acme", "acme_plugin", HOOK_PLUGIN)
+    (site / "acme_kernels.py").write_text(ACME_KERNELS)
+    marker = tmp_path / "marker"
+    data = list_json([site], env={"ACME_MARKER": str(marker)})
+    backends = _backends(data)
+    acme = backends["acme"]
+    assert acme["plugin"] == "acme"
+    assert acme["distribution"] == "acme-attention" and acme["version"] == "2.3.1"
+    assert acme["roles"] == ["target", "draft"] and acme["aliases"] == ["acme_v1"]
+    assert acme["implemented"] is True and acme["available"] is True
+    assert backends["acme_target_only"]["roles"] == ["target"]
+    assert backends["torch_native"]["plugin"] == "builtin"
+    assert not marker.exists(), "listing must not import a backend's factory module"
+    plugins = {p["name"]: p for p in data["plugins"]}
+    assert plugins["acme"]["status"] == "loaded"
+    assert plugins["acme"]["backends"] == ["acme", "acme_target_only"]
+
+
+def test_shorthand_entry_point_is_target_and_draft(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_plugin(site, "tiny-attn", "0.1", "tiny", "tiny_attn", SHORTHAND, attr="Tiny")
+    data = list_json([site])
+    tiny = _backends(data)["tiny"]
+    assert tiny["roles"] == ["target", "draft"]
+    assert tiny["description"] == "A tiny backend declared with the one-line shorthand."
+    assert tiny["distribution"] == "tiny-attn" and tiny["version"] == "0.1"
+
+
+def test_table_shows_plugin_distribution_and_availability(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_plugin(site, "tiny-attn", "0.1", "tiny", "tiny_attn", SHORTHAND, attr="Tiny")
+    result = run_cli("list", path_entries=[site], env={"ATTNHOST_PLATFORM": "cpu"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE"]
+    tiny = next(line for line in lines if line.startswith("tiny "))
+    assert "target,draft" in tiny and "tiny-attn 0.1" in tiny and tiny.rstrip().endswith("yes")
+    flashinfer = next(line for line in lines if line.startswith("flashinfer "))
+    assert "no: declared only" in flashinfer and "flashinfer-python" in flashinfer
+    assert "platform cpu" in result.stdout
+    # columns are aligned: every row starts its PLUGIN column at the same offset
+    offset = lines[0].index("PLUGIN")
+    assert all(line[offset - 2 : offset] == "  " for line in lines[1:24])
+
+
+def test_draft_filter(tmp_path: Path) -> None:
+    result = run_cli("list", "--json", "--draft")
+    assert result.returncode == 0, result.stderr
+    names = {b["name"] for b in json.loads(result.stdout)["backends"]}
+    assert names == {"flashinfer", "fa3", "fa4", "triton", "ascend", "trtllm_mha", "intel_xpu"}
+
+
+def test_loading_is_idempotent_per_process(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    counter = tmp_path / "count"
+    source = (
+        f"import attnhost\nwith open({str(counter)!r}, 'a') as f: f.write('x')\n"
+        + HOOK_PLUGIN.split("import attnhost", 1)[1]
+    )
+    make_plugin(site, "acme-attention", "1.0", "acme", "acme_plugin", source)
+    code = (
+        "import attnhost\n"
+        "a = attnhost.get_registry(); b = attnhost.get_registry()\n"
+        "pm1 = attnhost.get_plugin_manager(); pm2 = attnhost.get_plugin_manager()\n"
+        "assert a is b and pm1 is pm2\n"
+        "print(len([n for n, _ in pm1.list_name_plugin()]))\n"
+    )
+    result = run_python(code, path_entries=[site])
+    assert result.returncode == 0, result.stderr
+    assert counter.read_text() == "x"
+
+
+def test_list_never_imports_torch_or_backend_modules(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_plugin(site, "acme-attention", "1.0", "acme", "acme_plugin", HOOK_PLUGIN)
+    code = (
+        "import sys, attnhost\n"
+        "assert 'torch' not in sys.modules and 'pluggy' not in sys.modules, sorted(sys.modules)\n"
+        "from attnhost.cli import main\n"
+        "import io; out = io.StringIO()\n"
+        "assert main(['list'], out=out) == 0\n"
+        "assert main(['list', '--json'], out=out) == 0\n"
+        "heavy = ('torch.', 'attnhost_builtin.', 'acme_kernels')\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith(heavy)]\n"
+        "assert not bad, bad\n"
+        "assert 'attnhost.runner' not in sys.modules and 'attnhost.forward_batch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    result = run_python(code, path_entries=[site])
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_python_dash_m_and_console_script_agree() -> None:
+    import shutil
+    import subprocess
+
+    script = shutil.which("attnhost")
+    assert script, "the console script 'attnhost' is installed with the package"
+    a = subprocess.run([script, "list", "--json"], capture_output=True, text=True, timeout=120)
+    b = run_cli("list", "--json")
+    assert a.returncode == b.returncode == 0
+    assert json.loads(a.stdout) == json.loads(b.stdout)
+
+
+def test_entry_point_group_is_sglangs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    # The same plugin under a different group is not ours and must not be loaded.
+    make_dist(
+        site, "other-group", "1.0", {"some.other.group": {"acme": "acme_plugin"}}, modules={"acme_plugin": HOOK_PLUGIN}
+    )
+    names = _backends(list_json([site]))
+    assert "acme" not in names
+    assert GROUP == "sglang.draft_attention_backends"

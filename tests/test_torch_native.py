@@ -1,0 +1,384 @@
+"""torch_native against the float64 reference, plus the KV pool and ForwardBatch contracts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import attnhost_builtin.torch_native as torch_native
+from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.forward_batch import ForwardBatch, KVPool, KVPoolFullError
+from attnhost.forward_mode import ForwardMode
+from attnhost.reference import reference_attention
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+HEAD_DIM = 16
+F32_TOL = 1e-5
+BF16_TOL = 2e-2
+
+
+def make_pool(
+    num_kv_heads: int = 2,
+    *,
+    num_layers: int = 2,
+    num_slots: int = 512,
+    dtype: torch.dtype = torch.float32,
+) -> KVPool:
+    return KVPool(
+        num_layers,
+        num_slots,
+        num_kv_heads,
+        HEAD_DIM,
+        max_requests=8,
+        max_context_len=300,
+        dtype=dtype,
+    )
+
+
+def new_tokens(
+    batch: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = batch.num_new_tokens
+    q = torch.randn(n, layer.num_heads, layer.head_dim).to(dtype)
+    k = torch.randn(n, layer.num_kv_heads, layer.head_dim).to(dtype)
+    v = torch.randn(n, layer.num_kv_heads, layer.head_dim).to(dtype)
+    return q, k, v
+
+
+def run(
+    backend: TorchNativeAttnBackend,
+    pool: KVPool,
+    mode: ForwardMode,
+    requests: Sequence[tuple[int, int, int]],
+    layer: AttentionLayer,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    """One forward of one layer through the backend; returns (output, q, batch)."""
+    batch = ForwardBatch.prepare(pool, mode, requests)
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer, dtype)
+    return backend.forward(q, k, v, layer, batch), q, batch
+
+
+def max_error(out: torch.Tensor, q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> float:
+    ref = reference_attention(q, layer, batch)
+    assert out.shape == ref.shape
+    return float((out.to(torch.float64) - ref).abs().max())
+
+
+def alloc(pool: KVPool, n: int) -> list[int]:
+    return [pool.alloc_request() for _ in range(n)]
+
+
+# -- correctness against the reference ------------------------------------
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_extend_without_prefix(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(0)
+    pool = make_pool(kv_heads)
+    layer = AttentionLayer(0, heads, kv_heads, HEAD_DIM)
+    (r,) = alloc(pool, 1)
+    out, q, batch = run(TorchNativeAttnBackend(), pool, ForwardMode.EXTEND, [(r, 0, 37)], layer)
+    assert out.shape == (37, heads, HEAD_DIM)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_extend_with_prefix_written_by_backend(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(1)
+    pool = make_pool(kv_heads)
+    layer = AttentionLayer(1, heads, kv_heads, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    r1, r2 = alloc(pool, 2)
+    run(backend, pool, ForwardMode.EXTEND, [(r1, 0, 20), (r2, 0, 9)], layer)
+    out, q, batch = run(backend, pool, ForwardMode.EXTEND, [(r1, 20, 11), (r2, 9, 5)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+def test_extend_with_prefix_written_directly() -> None:
+    torch.manual_seed(2)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    (r,) = alloc(pool, 1)
+    prefix_slots = pool.alloc_slots(17).flip(0)  # deliberately not one ascending run
+    pool.req_to_token[r, :17] = prefix_slots
+    pool.set_kv(0, prefix_slots, torch.randn(17, 2, HEAD_DIM), torch.randn(17, 2, HEAD_DIM))
+    out, q, batch = run(TorchNativeAttnBackend(), pool, ForwardMode.EXTEND, [(r, 17, 6)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_decode_after_prefill(heads: int, kv_heads: int) -> None:
+    torch.manual_seed(3)
+    pool = make_pool(kv_heads)
+    layer = AttentionLayer(0, heads, kv_heads, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, 3)
+    lens = [13, 1, 40]
+    run(backend, pool, ForwardMode.EXTEND, [(r, 0, n) for r, n in zip(reqs, lens, strict=True)], layer)
+    for step in range(3):  # later steps read fragmented slots through a gather
+        decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
+        out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
+        assert out.shape == (3, heads, HEAD_DIM)
+        assert max_error(out, q, layer, batch) < F32_TOL
+
+
+def test_mixed_batch_of_different_lengths() -> None:
+    torch.manual_seed(4)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, 4)
+    run(backend, pool, ForwardMode.EXTEND, [(reqs[0], 0, 30), (reqs[1], 0, 3)], layer)
+    batch_spec = [(reqs[0], 30, 1), (reqs[1], 3, 12), (reqs[2], 0, 25), (reqs[3], 0, 1)]
+    out, q, batch = run(backend, pool, ForwardMode.MIXED, batch_spec, layer)
+    assert out.shape == (39, 8, HEAD_DIM)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+def test_long_prefill_uses_causal_path_correctly() -> None:
+    """Prefix-free requests of >= 256 tokens take SDPA's is_causal branch."""
+    torch.manual_seed(5)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    reqs = alloc(pool, 2)
+    out, q, batch = run(TorchNativeAttnBackend(), pool, ForwardMode.EXTEND, [(reqs[0], 0, 260), (reqs[1], 0, 5)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+def test_unfolded_gqa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the folded mask would be too large the backend uses enable_gqa instead."""
+    monkeypatch.setattr(torch_native, "_MAX_FOLDED_MASK", 1)
+    torch.manual_seed(6)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    (r,) = alloc(pool, 1)
+    run(backend, pool, ForwardMode.EXTEND, [(r, 0, 10)], layer)
+    out, q, batch = run(backend, pool, ForwardMode.EXTEND, [(r, 10, 7)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_bfloat16(kv_heads: int) -> None:
+    torch.manual_seed(7)
+    pool = make_pool(kv_heads, dtype=torch.bfloat16)
+    layer = AttentionLayer(0, 4, kv_heads, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, 2)
+    out, q, batch = run(backend, pool, ForwardMode.EXTEND, [(reqs[0], 0, 24), (reqs[1], 0, 7)], layer, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert max_error(out, q, layer, batch) < BF16_TOL
+    out, q, batch = run(backend, pool, ForwardMode.DECODE, [(reqs[0], 24, 1), (reqs[1], 7, 1)], layer, torch.bfloat16)
+    assert max_error(out, q, layer, batch) < BF16_TOL
+
+
+def test_comparison_detects_a_small_perturbation() -> None:
+    """A 0.1 % error in the output must fail the float32 tolerance."""
+    torch.manual_seed(8)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    (r,) = alloc(pool, 1)
+    out, q, batch = run(TorchNativeAttnBackend(), pool, ForwardMode.EXTEND, [(r, 0, 16)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+    assert max_error(out * 1.001, q, layer, batch) > F32_TOL
+
+
+def test_custom_scaling_is_used() -> None:
+    torch.manual_seed(9)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 4, 2, HEAD_DIM, scaling=0.5)
+    (r,) = alloc(pool, 1)
+    out, q, batch = run(TorchNativeAttnBackend(), pool, ForwardMode.EXTEND, [(r, 0, 9)], layer)
+    assert max_error(out, q, layer, batch) < F32_TOL
+    default = AttentionLayer(0, 4, 2, HEAD_DIM)
+    assert max_error(out, q, default, batch) > F32_TOL
+
+
+# -- the cache --------------------------------------------------------------
+
+
+def test_new_kv_lands_only_in_out_cache_loc_of_its_layer() -> None:
+    torch.manual_seed(10)
+    pool = make_pool(2, num_layers=3, num_slots=64)
+    for layer_id in range(3):  # non-zero background so overwrites are visible
+        pool.k_buffer(layer_id).normal_()
+        pool.v_buffer(layer_id).normal_()
+    before = [(pool.k_buffer(i).clone(), pool.v_buffer(i).clone()) for i in range(3)]
+    layer = AttentionLayer(1, 4, 2, HEAD_DIM)
+    reqs = alloc(pool, 2)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(reqs[0], 0, 5), (reqs[1], 0, 3)])
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer)
+    backend.forward(q, k, v, layer, batch)
+
+    loc = batch.out_cache_loc
+    assert torch.equal(pool.k_buffer(1)[loc], k)
+    assert torch.equal(pool.v_buffer(1)[loc], v)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(pool.k_buffer(1)[untouched], before[1][0][untouched])
+    assert torch.equal(pool.v_buffer(1)[untouched], before[1][1][untouched])
+    for other in (0, 2):
+        assert torch.equal(pool.k_buffer(other), before[other][0])
+        assert torch.equal(pool.v_buffer(other), before[other][1])
+
+
+def test_save_kv_cache_false_reads_what_the_caller_wrote() -> None:
+    torch.manual_seed(11)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    (r,) = alloc(pool, 1)
+    run(backend, pool, ForwardMode.EXTEND, [(r, 0, 12)], layer)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 12, 4)])
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer)
+    pool.set_kv(0, batch.out_cache_loc, k, v)
+    snapshot = pool.k_buffer(0).clone()
+    # The k/v arguments are garbage: the backend must neither store nor use them.
+    out = backend.forward(q, k * 100, v * 100, layer, batch, save_kv_cache=False)
+    assert torch.equal(pool.k_buffer(0), snapshot)
+    assert max_error(out, q, layer, batch) < F32_TOL
+
+
+def test_kv_pool_allocation_is_deterministic_and_bounded() -> None:
+    pool = make_pool(num_slots=10)
+    a = pool.alloc_slots(4)
+    b = pool.alloc_slots(3)
+    assert a.tolist() == [0, 1, 2, 3] and b.tolist() == [4, 5, 6]
+    pool.free_slots(a[:2])
+    assert pool.alloc_slots(5).tolist() == [7, 8, 9, 0, 1]
+    with pytest.raises(KVPoolFullError, match="KV pool is full"):
+        pool.alloc_slots(1)
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free_slots(torch.tensor([2, 2]))
+    pool.free_slots(torch.tensor([2]))
+    with pytest.raises(ValueError, match="freed twice"):
+        pool.free_slots(torch.tensor([2]))
+    assert isinstance(KVPoolFullError("x"), RuntimeError)
+
+
+def test_request_slots_are_deterministic_and_bounded() -> None:
+    pool = make_pool()
+    assert alloc(pool, 8) == list(range(8))
+    with pytest.raises(KVPoolFullError, match="no free request slot"):
+        pool.alloc_request()
+    pool.free_request(5)
+    pool.free_request(2)
+    assert pool.alloc_request() == 5
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free_request(2)
+
+
+def test_prepare_records_slots_in_req_to_token() -> None:
+    pool = make_pool()
+    reqs = alloc(pool, 2)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(reqs[0], 0, 3), (reqs[1], 4, 2)])
+    assert batch.out_cache_loc.tolist() == [0, 1, 2, 3, 4]
+    assert pool.req_to_token[reqs[0], :3].tolist() == [0, 1, 2]
+    assert pool.req_to_token[reqs[1], 4:6].tolist() == [3, 4]
+    assert batch.seq_lens_cpu == (3, 6) and batch.prefix_lens_cpu == (0, 4)
+    assert batch.extend_seq_lens_cpu == (3, 2) and batch.extend_start_loc_cpu == (0, 3)
+    assert batch.batch_size == 2 and batch.num_new_tokens == 5
+    assert batch.seq_lens.tolist() == [3, 6] and batch.extend_seq_lens.dtype == torch.int64
+
+
+# -- routing and validation -----------------------------------------------
+
+
+def test_idle_forward_returns_empty() -> None:
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    batch = ForwardBatch.prepare(pool, ForwardMode.IDLE, [])
+    assert batch.batch_size == 0 and batch.num_new_tokens == 0
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer)
+    out = backend.forward(q, k, v, layer, batch)
+    assert out.shape == (0, 8, HEAD_DIM)
+
+
+class _Spy(TorchNativeAttnBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def forward_extend(self, *args: object, **kwargs: object) -> torch.Tensor:
+        self.calls.append("extend")
+        return torch.empty(0)
+
+    def forward_decode(self, *args: object, **kwargs: object) -> torch.Tensor:
+        self.calls.append("decode")
+        return torch.empty(0)
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        (ForwardMode.DECODE, "decode"),
+        (ForwardMode.EXTEND, "extend"),
+        (ForwardMode.MIXED, "extend"),
+        (ForwardMode.TARGET_VERIFY, "extend"),
+        (ForwardMode.DRAFT_EXTEND, "extend"),
+        (ForwardMode.DRAFT_EXTEND_V2, "extend"),
+    ],
+)
+def test_forward_routes_by_mode(mode: ForwardMode, expected: str) -> None:
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 4, 2, HEAD_DIM)
+    (r,) = alloc(pool, 1)
+    batch = ForwardBatch.prepare(pool, mode, [(r, 3, 1)])
+    spy = _Spy()
+    q, k, v = new_tokens(batch, layer)
+    spy.forward(q, k, v, layer, batch)
+    assert spy.calls == [expected]
+    assert isinstance(spy, AttentionBackend)
+
+
+def test_forward_without_metadata_is_refused() -> None:
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 4, 2, HEAD_DIM)
+    reqs = alloc(pool, 1)
+    backend = TorchNativeAttnBackend()
+    stale = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(reqs[0], 0, 2)])
+    backend.init_forward_metadata(stale)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(reqs[0], 2, 2)])
+    q, k, v = new_tokens(batch, layer)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        backend.forward(q, k, v, layer, batch)
+
+
+@pytest.mark.parametrize(
+    ("mode", "requests", "message"),
+    [
+        (ForwardMode.DECODE, [(0, 4, 2)], "exactly one new token"),
+        (ForwardMode.IDLE, [(0, 0, 1)], "IDLE batch takes no requests"),
+        (ForwardMode.EXTEND, [], "needs requests"),
+        (ForwardMode.EXTEND, [(0, 290, 11)], "exceeds max_context_len=300"),
+        (ForwardMode.EXTEND, [(0, -1, 2)], "prefix_len >= 0"),
+        (ForwardMode.EXTEND, [(0, 0, 0)], "extend_len >= 1"),
+        (ForwardMode.EXTEND, [(8, 0, 1)], "out of range"),
+        (ForwardMode.EXTEND, [(1, 0, 1)], "not allocated"),
+        (ForwardMode.EXTEND, [(0, 0, 1), (0, 1, 1)], "twice"),
+        (ForwardMode.EXTEND, [(0, 0, 1, 5)], "is not"),
+    ],
+)
+def test_prepare_validation(mode: ForwardMode, requests: list[tuple[int, int, int]], message: str) -> None:
+    pool = make_pool()
+    pool.alloc_request()
+    with pytest.raises(ValueError, match=message):
+        ForwardBatch.prepare(pool, mode, requests)
+    assert pool.available_slots == pool.num_slots  # nothing was allocated
+
+
+def test_prepare_refuses_more_slots_than_free() -> None:
+    pool = make_pool(num_slots=10)
+    (r,) = alloc(pool, 1)
+    with pytest.raises(KVPoolFullError, match="needs 11 token slots"):
+        ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 11)])
+    assert pool.available_slots == 10
