@@ -250,3 +250,24 @@ def test_target_on_cpu_defaults_to_torch_native() -> None:
     assert isinstance(runner.attn_backend, TorchNativeAttnBackend)
     with runner.forward_context():
         assert dispatch_attention_backend(ForwardMode.DECODE) == "torch_native"
+
+
+def test_dispatch_allocates_nothing() -> None:
+    """The per-layer hot path: a precomputed tuple index, not even a transient allocation per call."""
+    import tracemalloc
+
+    runner = ModelRunner(ServerArgs(attention_backend="torch_native"), platform="cpu")
+    calls = list(ForwardMode) * 5_000  # built up front: the loop itself must not allocate
+    with runner.forward_context():
+        for mode in calls[:20]:  # warm up any lazily created state
+            dispatch_attention_backend(mode)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            baseline, _ = tracemalloc.get_traced_memory()
+            for mode in calls:
+                dispatch_attention_backend(mode)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak - baseline < 64, f"dispatch allocated up to {peak - baseline} bytes over {len(calls)} calls"
