@@ -7,15 +7,22 @@ unavailable one with the same reason, so the two never disagree.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
-from attnhost.registry import BackendEntry
+if TYPE_CHECKING:
+    from attnhost.registry import BackendEntry
 
 __all__ = ["Availability", "check_availability"]
 
 
-@dataclass(frozen=True, slots=True)
-class Availability:
+class Availability(NamedTuple):
+    """Whether a backend runs here and, if not, the one-line reason shown to users.
+
+    A ``NamedTuple`` rather than a frozen dataclass: same immutability and
+    value equality, without the ~0.3 ms of generating a dataclass at import
+    (``attnhost list`` imports this on every call).
+    """
+
     available: bool
     reason: str | None = None
 

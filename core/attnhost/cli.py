@@ -8,15 +8,21 @@ status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TextIO
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
+from attnhost import _log
 from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError
+
+if TYPE_CHECKING:
+    import argparse
+    import logging
+    from collections.abc import Callable, Sequence
+    from typing import TypeAlias
+
+    Args: TypeAlias = argparse.Namespace | SimpleNamespace
 
 __all__ = ["main"]
 
@@ -24,31 +30,62 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
+# Start-up cost matters here (``attnhost list`` must beat a bare ``importlib.metadata``
+# scan, see BENCHMARKS.md): ``argparse`` (with ``gettext``/``locale``), ``json`` and
+# ``logging`` are imported only on the paths that use them, and the common
+# invocations are parsed without ``argparse`` at all (``_fast_parse``).
+
 
 class _UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors are one line, not a usage dump."""
+def _parser_class() -> type[argparse.ArgumentParser]:
+    import argparse
 
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
+    class _Parser(argparse.ArgumentParser):
+        """An argparse parser whose errors are one line, not a usage dump."""
+
+        def error(self, message: str) -> NoReturn:
+            raise _UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
+
+    return _Parser
 
 
-class _WarningFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return f"attnhost: {record.levelname.lower()}: {record.getMessage()}"
+class _CliLogging:
+    """Sends the ``attnhost`` logger's records to ``stream`` as ``attnhost: warning: ...`` lines.
 
+    Installed lazily (:func:`attnhost._log.on_first_use`): importing
+    ``logging`` is skipped entirely when nothing is logged.
+    """
 
-def _configure_logging(stream: TextIO) -> logging.Handler:
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(_WarningFormatter())
-    logger = logging.getLogger("attnhost")
-    logger.addHandler(handler)
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False
-    return handler
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.handler: logging.Handler | None = None
+        self._saved: tuple[int, bool] = (0, True)
+
+    def install(self, logger: logging.Logger) -> None:
+        import logging
+
+        class _WarningFormatter(logging.Formatter):
+            def format(self, record: logging.LogRecord) -> str:
+                return f"attnhost: {record.levelname.lower()}: {record.getMessage()}"
+
+        handler = logging.StreamHandler(self.stream)
+        handler.setFormatter(_WarningFormatter())
+        self._saved = (logger.level, logger.propagate)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
+        self.handler = handler
+
+    def remove(self) -> None:
+        """Undo :meth:`install` (level and propagation too), so in-process callers get their logger back."""
+        if not _log.cancel(self.install) and self.handler is not None:
+            logger = _log.get_logger()
+            logger.removeHandler(self.handler)
+            logger.setLevel(self._saved[0])
+            logger.propagate = self._saved[1]
 
 
 def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
@@ -56,6 +93,70 @@ def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
     for row in rows:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
         out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _dumps(payload: object) -> str:
+    """``json.dumps(payload, indent=2)``, byte for byte, without importing ``json``.
+
+    With ``indent`` the standard library encodes in pure Python, and importing
+    ``json`` (with its decoder) costs another ~1 ms: together ~2 ms of
+    ``attnhost list --json``'s start-up. Our payloads are dicts with string keys,
+    lists, strings, bools, ints and None; only strings need real escaping, done
+    by the same C function ``json`` uses. Anything else falls back to ``json``.
+    """
+    try:
+        from _json import encode_basestring_ascii
+    except ImportError:  # pragma: no cover - CPython always has _json
+        import json
+
+        return json.dumps(payload, indent=2)
+    parts: list[str] = []
+    if not _encode(payload, parts, "\n", encode_basestring_ascii):
+        import json
+
+        return json.dumps(payload, indent=2)
+    return "".join(parts)
+
+
+def _encode(value: object, out: list[str], newline: str, quote: Callable[[str], str]) -> bool:
+    """Append ``value`` as ``json.dumps(indent=2)`` would; False if it holds a type we do not handle."""
+    if isinstance(value, str):
+        out.append(quote(value))
+    elif value is None:
+        out.append("null")
+    elif value is True:
+        out.append("true")
+    elif value is False:
+        out.append("false")
+    elif type(value) is int:
+        out.append(int.__repr__(value))
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            out.append("[]")
+            return True
+        inner = newline + "  "
+        out.append("[")
+        for i, item in enumerate(value):
+            out.append(inner if i == 0 else "," + inner)
+            if not _encode(item, out, inner, quote):
+                return False
+        out.append(newline + "]")
+    elif isinstance(value, dict):
+        if not value:
+            out.append("{}")
+            return True
+        inner = newline + "  "
+        out.append("{")
+        for i, (key, item) in enumerate(value.items()):
+            if not isinstance(key, str):
+                return False
+            out.append((inner if i == 0 else "," + inner) + quote(key) + ": ")
+            if not _encode(item, out, inner, quote):
+                return False
+        out.append(newline + "}")
+    else:
+        return False
+    return True
 
 
 def _platform_arg(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +203,7 @@ def _backend_rows(platform: str, draft_only: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_list(args: Args, out: TextIO) -> int:
     from attnhost.host import default_host
     from attnhost.platform import current_platform, describe_detection
 
@@ -111,7 +212,7 @@ def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     plugins = default_host().plugins()
     if args.json:
         payload = {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
-        out.write(json.dumps(payload, indent=2) + "\n")
+        out.write(_dumps(payload) + "\n")
         return EXIT_OK
     table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE"]]
     for row in rows:
@@ -137,12 +238,12 @@ def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
 # -- plugins -------------------------------------------------------------------------------
 
 
-def _cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_plugins(args: Args, out: TextIO) -> int:
     from attnhost.host import default_host
 
     plugins = default_host().plugins()
     if args.json:
-        out.write(json.dumps({"plugins": [p.to_json() for p in plugins]}, indent=2) + "\n")
+        out.write(_dumps({"plugins": [p.to_json() for p in plugins]}) + "\n")
         return EXIT_OK
     table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT / ERROR"]]
     for info in plugins:
@@ -184,7 +285,7 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
         payload["availability"] = {
             role: {"available": a.available, "reason": a.reason} for role, a in availability.items()
         }
-        out.write(json.dumps(payload, indent=2) + "\n")
+        out.write(_dumps(payload) + "\n")
         return EXIT_OK
     rows = [
         ["platform", platform, "(from --platform)" if args.platform else ""],
@@ -210,10 +311,13 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
 # -- main ----------------------------------------------------------------------------------
 
 
-def _build_parser(argv: Sequence[str]) -> _Parser:
-    parser = _Parser(prog="attnhost", description="Inspect the attention backends attnhost discovers and resolves.")
+def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser_class = _parser_class()
+    parser = parser_class(
+        prog="attnhost", description="Inspect the attention backends attnhost discovers and resolves."
+    )
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
     sub.required = True
     p_list = sub.add_parser("list", help="every known attention backend, where it came from, and whether it runs here")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
@@ -235,6 +339,48 @@ def _build_parser(argv: Sequence[str]) -> _Parser:
     return parser
 
 
+# Flags of the commands _fast_parse handles, with their defaults, exactly as _build_parser declares them.
+_FAST_COMMANDS: dict[str, tuple[Callable[[Args, TextIO], int], dict[str, Any]]] = {
+    "list": (_cmd_list, {"json": False, "draft": False, "platform": None}),
+    "plugins": (_cmd_plugins, {"json": False}),
+}
+# ``resolve`` is never fast-parsed: its flags come from ServerArgs.add_cli_args.
+
+
+def _fast_parse(argv: Sequence[str]) -> SimpleNamespace | None:
+    """Parse ``list``/``plugins`` invocations spelled exactly (no abbreviations), or return None.
+
+    Importing and building the argparse parser costs ~3 ms, an eighth of
+    ``attnhost list``'s start-up; this handles the spellings scripts use and
+    yields the same namespace argparse would. Anything else — ``--help``,
+    abbreviations, unknown flags, a missing or dash-leading ``--platform``
+    value — returns None and goes through argparse, which produces the
+    usual messages and errors.
+    """
+    if not argv or argv[0] not in _FAST_COMMANDS:
+        return None
+    handler, defaults = _FAST_COMMANDS[argv[0]]
+    values = dict(defaults)
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if not eq and flag in ("--json", "--draft") and flag[2:] in values:
+            values[flag[2:]] = True
+        elif flag == "--platform" and "platform" in values:
+            if eq:
+                values["platform"] = inline
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                i += 1
+                values["platform"] = argv[i]
+            else:
+                return None
+        else:
+            return None
+        i += 1
+    return SimpleNamespace(command=argv[0], handler=handler, **values)
+
+
 def _version() -> str:
     from attnhost import __version__
 
@@ -242,15 +388,39 @@ def _version() -> str:
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Run the CLI; returns the exit status instead of exiting, for tests and embedding."""
+    """Run the CLI; returns the exit status instead of exiting, for tests and embedding.
+
+    Called without ``argv`` it is the program (the console script and
+    ``python -m attnhost`` do that) and prepares a fast exit, see :func:`_fast_exit`.
+    """
+    is_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
     err = err or sys.stderr
-    handler = _configure_logging(err)
+    cli_logging = _CliLogging(err)
+    _log.on_first_use(cli_logging.install)
     try:
         return _run(argv, out, err)
     finally:
-        logging.getLogger("attnhost").removeHandler(handler)
+        cli_logging.remove()
+        if is_program:
+            _fast_exit()
+
+
+def _fast_exit() -> None:
+    """Let the interpreter skip its shutdown garbage collection of everything we loaded.
+
+    At exit CPython runs full collections over every live object before the
+    process dies anyway; for ``attnhost list`` that was ~6 ms of ~45 ms wall
+    time (BENCHMARKS.md). ``gc.freeze()`` moves all objects to the permanent
+    generation, which collections skip. Nothing is lost: stdout/stderr are
+    still flushed and modules still finalised, and the cache file is written
+    with ``os.replace`` long before. Only done when ``main()`` is the program,
+    never for in-process callers.
+    """
+    import gc
+
+    gc.freeze()
 
 
 def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
@@ -260,9 +430,13 @@ def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
 
     debug = os.environ.get("ATTNHOST_DEBUG", "") not in ("", "0")
     try:
-        parser = _build_parser(argv)
-        args = parser.parse_args(argv)
-        handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
+        args: Args | None = _fast_parse(argv)
+        if args is None:
+            args = _build_parser(argv).parse_args(argv)
+        handler: Callable[[Args, TextIO], int] = args.handler
+        if "logging" in sys.modules:
+            # Something imported logging meanwhile and may log to "attnhost" directly.
+            _log.get_logger()
         return handler(args, out)
     except _UsageError as exc:
         return fail(str(exc), EXIT_USAGE)

@@ -9,17 +9,16 @@ the plugin, its distribution and the cause.
 
 from __future__ import annotations
 
-import difflib
 import enum
 import inspect
-import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from attnhost.backend import AttentionBackend
+from attnhost._log import logger
 from attnhost.entry_points import EntryPointRecord
 from attnhost.errors import RegistryFrozenError
 from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
@@ -36,10 +35,14 @@ __all__ = [
     "ShorthandPlugin",
     "describe_exception",
     "load_entry_points",
+    "one_line",
     "register_checked",
+    "safe_repr",
+    "way_out",
 ]
 
-logger = logging.getLogger("attnhost")
+if TYPE_CHECKING:
+    from attnhost.backend import AttentionBackend
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_DISTRIBUTION = "attnhost"
@@ -98,10 +101,32 @@ class PluginProblem(Exception):
     """Why a plugin object cannot be registered; the message completes "plugin X ...: "."""
 
 
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded into spaces: every warning about a plugin is one line."""
+    return " ".join(text.split())
+
+
+def safe_repr(obj: object, limit: int = 60) -> str:
+    """A one-line, bounded ``repr`` that survives objects whose ``__repr__`` raises (hostile plugins)."""
+    try:
+        text = one_line(repr(obj))
+    except Exception:  # a plugin's __repr__ is other people's code
+        text = f"<{type(obj).__name__} object with a broken __repr__>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def describe_exception(exc: BaseException) -> str:
-    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it.
+
+    The message is a plugin's own ``__str__``, so it may span lines or even
+    raise; neither may break the host or its one-line-per-problem output.
+    """
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:
+        lines = ["<exception with a broken __str__>"]
+    kind = type(exc).__name__
+    return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind
 
 
 class ShorthandPlugin:
@@ -131,7 +156,11 @@ class ShorthandPlugin:
 
 def as_plugin(name: str, obj: object) -> object:
     """Wrap an ``AttentionBackend`` subclass as a shorthand plugin; anything else is taken as-is."""
-    if inspect.isclass(obj) and issubclass(obj, AttentionBackend):
+    # attnhost.backend is imported lazily (import time: see BENCHMARKS.md); until some
+    # module imports it, no object can be one of its subclasses.
+    backend_module = sys.modules.get("attnhost.backend")
+    base: type[AttentionBackend] | None = getattr(backend_module, "AttentionBackend", None)
+    if base is not None and inspect.isclass(obj) and issubclass(obj, base):
         if inspect.isabstract(obj):
             missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
             raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
@@ -166,6 +195,8 @@ class GuardedPluginManager(pluggy.PluginManager):
 
 
 def _unknown_hook_message(hook_name: str) -> str:
+    import difflib  # only on this error path: it costs ~1 ms to import
+
     close = difflib.get_close_matches(hook_name, HOOK_NAMES, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"implements unknown hook {hook_name!r}; {hint}known hooks: {', '.join(HOOK_NAMES)}"
@@ -188,7 +219,9 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
     except pluggy.PluginValidationError as exc:
         if pm.has_plugin(name):
             pm.unregister(name=name)
-        raise PluginProblem(f"has an invalid hook implementation: {str(exc).splitlines()[0]}") from None
+        # pluggy's message spans lines ("Plugin X for hook Y", the definition, the cause): keep all, on one line.
+        detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise PluginProblem(f"has an invalid hook implementation: {detail}") from None
     callers = pm.get_hookcallers(plugin) or []
     unknown = sorted(caller.name for caller in callers if not caller.has_spec())
     if unknown:
@@ -208,8 +241,7 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
 
 
 def _short_repr(obj: object) -> str:
-    text = repr(obj)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return safe_repr(obj, 60)
 
 
 def _normalize_dist(name: str) -> str:
@@ -234,14 +266,17 @@ def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = No
 
 
 def _fail(info: PluginInfo, cause: str) -> PluginInfo:
-    failed = replace(info, status=PluginStatus.FAILED, error=cause)
-    logger.warning("%s failed to load: %s; %s", failed.origin, cause, _way_out(failed))
+    failed = replace(info, status=PluginStatus.FAILED, error=one_line(cause))
+    logger.warning("%s failed to load: %s; %s", failed.origin, failed.error, way_out(failed))
     return failed
 
 
-def _way_out(info: PluginInfo) -> str:
+def way_out(info: PluginInfo) -> str:
+    """What an operator can do about a broken plugin, ending every warning about one."""
     if info.builtin:
         return "reinstall attnhost"
+    if info.distribution is None:
+        return "fix the code that registers it"
     return f"fix or uninstall {info.distribution}, or leave it out with {PLUGINS_ENV}"
 
 
@@ -307,4 +342,8 @@ def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginIn
         return _fail(info, str(problem))
     except ValueError as exc:  # invalid shorthand name, or pluggy refusing a duplicate object
         return _fail(info, str(exc))
+    except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it
+        if pm.has_plugin(record.name):
+            pm.unregister(name=record.name)
+        return _fail(info, f"registering its entry point object raised {describe_exception(exc)}")
     return info

@@ -8,7 +8,6 @@ calls all see plugins loaded exactly once per process.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 import threading
@@ -18,6 +17,7 @@ from dataclasses import replace
 import pluggy
 
 from attnhost import entry_points
+from attnhost._log import logger
 from attnhost.discovery import (
     ENTRY_POINT_GROUP,
     GuardedPluginManager,
@@ -31,12 +31,14 @@ from attnhost.discovery import (
 from attnhost.errors import AttnhostError, PluginLoadError, RegistryFrozenError
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
-from attnhost.settings import STRICT_ENV, LoadSettings
+from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["InvalidPluginError", "PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
 
-logger = logging.getLogger("attnhost")
+
+DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
+"""The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
 
 
 class _DeclaredNames:
@@ -70,6 +72,12 @@ class PluginHost:
         self._frozen = False
         self._strict_error: PluginLoadError | None = None
         self._pid = os.getpid()
+        self._loading: GuardedPluginManager | None = None
+        """The manager being filled while entry points are imported (re-entrant calls get it)."""
+        self._building = False
+        self._missing_allowed: tuple[str, ...] = ()
+        self._logged: set[str] = set()
+        """Registry warnings already logged: a rebuild before the freeze must not repeat them."""
 
     # -- loading -----------------------------------------------------------------
 
@@ -79,14 +87,25 @@ class PluginHost:
         if pm is not None:
             return pm
         with self._lock:
-            if self._pm is None:
-                pm = GuardedPluginManager(self.is_frozen, self._invalidate)
-                settings = LoadSettings.from_env()
-                records = entry_points.scan(ENTRY_POINT_GROUP)
+            if self._pm is not None:
+                return self._pm
+            if self._loading is not None:
+                # A plugin being imported calls back into attnhost (SGLang-style add_*_choices
+                # at import time): it gets the manager being filled, never a second load.
+                return self._loading
+            pm = GuardedPluginManager(self.is_frozen, self._invalidate)
+            settings = LoadSettings.from_env()
+            records = entry_points.scan(ENTRY_POINT_GROUP)
+            self._loading = pm
+            try:
                 result = load_entry_points(pm, records, settings)
-                self._discovered = result.plugins
-                self._pm = pm
-            return self._pm
+            finally:
+                self._loading = None
+            self._discovered = result.plugins
+            self._missing_allowed = result.missing_allowed
+            self._pm = pm
+            self._registry = None
+            return pm
 
     def _invalidate(self) -> None:
         self._registry = None
@@ -98,6 +117,7 @@ class PluginHost:
             with self._lock:
                 registry = self._registry
                 if registry is None:
+                    self._check_not_loading("the backend registry was requested")
                     registry = self._build()
         if self._strict_error is not None:
             raise self._strict_error
@@ -110,7 +130,22 @@ class PluginHost:
         for name, plugin in pm.list_name_plugin():
             if name not in known and plugin is not None:
                 records.append(self._in_process.get(name) or _in_process_info(name, plugin))
-        registry, plugins = build_registry(collect_contributions(pm, records))
+        registered = {name for name, _ in pm.list_name_plugin()}
+        records += [
+            info
+            for name, info in self._in_process.items()
+            if info.status is PluginStatus.FAILED and name not in registered
+        ]
+        self._building = True
+        try:
+            registry, plugins = build_registry(collect_contributions(pm, records))
+        finally:
+            self._building = False
+        for info in plugins:
+            for warning in info.warnings:
+                if warning not in self._logged:
+                    self._logged.add(warning)
+                    logger.warning("%s", warning)
         # A plugin whose hook failed was unregistered; remember why, so a rebuild
         # (after an in-process registration) reports it the same way.
         failed = {info.name: info for info in plugins if info.status is PluginStatus.FAILED}
@@ -118,9 +153,13 @@ class PluginHost:
             replace(failed[info.name], backends=(), warnings=()) if info.name in failed else info
             for info in self._discovered
         ]
+        for name, info in failed.items():
+            if name in self._in_process:
+                self._in_process[name] = replace(info, backends=(), warnings=())
         self._plugins = tuple(plugins)
         self._registry = registry
-        self._strict_error = _strict_error(self._plugins) if LoadSettings.from_env().strict else None
+        strict = LoadSettings.from_env().strict
+        self._strict_error = _strict_error(self._plugins, self._missing_allowed) if strict else None
         return registry
 
     def plugins(self) -> tuple[PluginInfo, ...]:
@@ -142,7 +181,28 @@ class PluginHost:
             self._frozen = True
             return registry
 
+    def _check_not_loading(self, what: str) -> None:
+        """Refuse what a plugin may not do while the host is loading plugins or calling their hooks.
+
+        Only the thread holding the lock can get here mid-load or mid-build, so
+        this is a plugin calling back into attnhost: reading the registry from
+        its import-time code (it is not complete yet) or from a hook (it is
+        being built from that very hook). Failing that plugin beats recursing.
+        """
+        if self._loading is not None:
+            raise AttnhostError(
+                f"{what} while plugins are still being imported (by a plugin's import-time code); "
+                "read it after start-up, not when the plugin module is imported"
+            )
+        if self._building:
+            raise AttnhostError(
+                f"{what} from inside a plugin hook while the registry is being built from those hooks; "
+                "a hook must only return its answer"
+            )
+
     def _check_not_frozen(self, what: str) -> None:
+        if self._building:
+            self._check_not_loading(what)
         if self._frozen:
             raise RegistryFrozenError(
                 f"{what} came after the first ServerArgs froze the backend registry; declare it from a "
@@ -161,8 +221,8 @@ class PluginHost:
             target_list = self._declared.draft if draft else self._declared.target
             target_list.extend(name for name in names if name not in target_list)
             if not pm.is_registered(self._declared):
-                pm.register(self._declared, name="in-process")
-                self._in_process["in-process"] = _in_process_info("in-process", self._declared)
+                pm.register(self._declared, name=DECLARED_NAMES_PLUGIN)
+                self._in_process[DECLARED_NAMES_PLUGIN] = _in_process_info(DECLARED_NAMES_PLUGIN, self._declared)
             self._invalidate()
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
@@ -188,6 +248,12 @@ class PluginHost:
         # may have been held by a thread that no longer exists.
         self._lock = threading.RLock()
         self._pid = os.getpid()
+        if self._loading is not None or self._building:
+            # Forked while another thread was mid-load or mid-build: that thread does not exist
+            # here, so start that step over rather than serve its half-finished state.
+            self._loading = None
+            self._building = False
+            self._registry = None
 
 
 class InvalidPluginError(AttnhostError, ValueError):
@@ -201,13 +267,16 @@ def _in_process_info(name: str, plugin: object) -> PluginInfo:
     return PluginInfo(name=name, distribution=None, version=None, value=value, status=PluginStatus.LOADED)
 
 
-def _strict_error(plugins: Iterable[PluginInfo]) -> PluginLoadError | None:
+def _strict_error(plugins: Iterable[PluginInfo], missing_allowed: Iterable[str] = ()) -> PluginLoadError | None:
+    plugins = tuple(plugins)
     failed = [info for info in plugins if info.status in (PluginStatus.FAILED, PluginStatus.DUPLICATE)]
     conflicted = [info for info in plugins if info.warnings]
-    if not failed and not conflicted:
+    missing = [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing_allowed]
+    if not failed and not conflicted and not missing:
         return None
     parts = [f"{info.origin}: {info.error}" for info in failed]
     parts += [f"{info.origin}: {warning}" for info in conflicted for warning in info.warnings]
+    parts += missing
     return PluginLoadError(
         f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
         + "; ".join(parts)

@@ -9,7 +9,6 @@ suffices. Only questions about live devices (``device_available``) import torch.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib.util
 import os
@@ -40,6 +39,8 @@ def normalize_platform(name: str, *, origin: str = "") -> str:
     key = _SPELLINGS.get(key, key)
     if key in KNOWN_PLATFORMS:
         return key
+    import difflib  # only on this error path: it costs ~1 ms to import
+
     close = difflib.get_close_matches(key, KNOWN_PLATFORMS, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     where = f" (from {origin})" if origin else ""

@@ -8,8 +8,6 @@ corrupt it the way SGLang's module-level lists could be.
 
 from __future__ import annotations
 
-import difflib
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -17,13 +15,13 @@ from typing import Any, Literal
 
 import pluggy
 
-from attnhost.discovery import PluginInfo, PluginStatus, describe_exception
+from attnhost._log import logger
+from attnhost.discovery import PluginInfo, PluginStatus, describe_exception, one_line, safe_repr, way_out
 from attnhost.errors import UnknownBackendError
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
 
-logger = logging.getLogger("attnhost")
 
 Role = Literal["target", "draft"]
 ROLES: tuple[Role, ...] = ("target", "draft")
@@ -94,6 +92,8 @@ class Registry(Mapping[str, BackendSpec]):
     def unknown_message(self, name: object, what: str = "attention backend") -> str:
         """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
         known = list(self._order) + list(self._aliases)
+        import difflib  # only for an unknown name: it costs ~1 ms to import
+
         close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         if close:
             return f"unknown {what} {name!r}; did you mean {self.canonical(close[0])!r}?"
@@ -129,24 +129,35 @@ class Registry(Mapping[str, BackendSpec]):
         return tuple(self._entries.values())
 
 
+_NOT_IMPLEMENTED = object()
+"""What :func:`_call_hook` returns for a plugin without that hook (``None`` is a wrong answer)."""
+
+
+class _BadReturn(TypeError):
+    """A hook answered with the wrong type; the message starts with the hook's name."""
+
+
 def _call_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str) -> Any:
-    """Call one plugin's implementation of a no-argument hook, or return None if it has none."""
+    """Call one plugin's implementation of a no-argument hook, or return ``_NOT_IMPLEMENTED``."""
     caller = getattr(pm.hook, hook_name)
     for impl in caller.get_hookimpls():
         if impl.plugin_name == plugin_name:
             return impl.function()
-    return None
+    return _NOT_IMPLEMENTED
 
 
 def _expect_sequence(value: object, hook_name: str, item_type: type, item_label: str) -> tuple[Any, ...]:
+    if value is _NOT_IMPLEMENTED:
+        return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise TypeError(
-            f"{hook_name}() returned {type(value).__name__} {value!r:.60}; it must return a list of {item_label}"
+        # None included: pluggy would drop it silently, but a plugin that answers None has a bug worth seeing.
+        raise _BadReturn(
+            f"{hook_name}() returned {type(value).__name__} {safe_repr(value)}; it must return a list of {item_label}"
         )
     for item in value:
         if not isinstance(item, item_type):
-            raise TypeError(
-                f"{hook_name}() returned a list containing {type(item).__name__} {item!r:.60}; "
+            raise _BadReturn(
+                f"{hook_name}() returned a list containing {type(item).__name__} {safe_repr(item)}; "
                 f"every item must be a {item_label[:-1] if item_label.endswith('s') else item_label}"
             )
     return tuple(value)
@@ -166,19 +177,19 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
             continue
         hook = "attnhost_attention_backends"
         try:
-            specs = _expect_sequence(_call_hook(pm, hook, info.name) or [], hook, BackendSpec, "BackendSpecs")
+            specs = _expect_sequence(_call_hook(pm, hook, info.name), hook, BackendSpec, "BackendSpecs")
             hook = "attnhost_draft_attention_backends"
-            draft_raw = _call_hook(pm, hook, info.name)
-            drafts = _expect_sequence(draft_raw or [], hook, str, "backend names")
+            drafts = _expect_sequence(_call_hook(pm, hook, info.name), hook, str, "backend names")
             for draft_name in drafts:
                 check_backend_name(draft_name, "draft backend name")
         except (Exception, SystemExit) as exc:
-            cause = f"hook {hook} raised {describe_exception(exc)}"
-            if isinstance(exc, TypeError) and str(exc).startswith(hook):
-                cause = str(exc)
-            failed = replace(info, status=PluginStatus.FAILED, error=cause)
-            logger.warning("%s failed to load: %s; its backends are ignored; fix or uninstall it", failed.origin, cause)
-            pm.unregister(name=info.name)
+            cause = str(exc) if isinstance(exc, _BadReturn) else f"hook {hook} raised {describe_exception(exc)}"
+            failed = replace(info, status=PluginStatus.FAILED, error=one_line(cause))
+            logger.warning(
+                "%s failed to load: %s; its backends are ignored; %s", failed.origin, failed.error, way_out(failed)
+            )
+            if pm.has_plugin(info.name):
+                pm.unregister(name=info.name)
             out.append(failed)
             continue
         out.append(Contribution(info, specs, drafts))
@@ -196,8 +207,9 @@ class _Merger:
         self.draft_order: list[str] = []
 
     def _note(self, plugin: PluginInfo, message: str) -> None:
-        logger.warning("%s", message)
-        self.notes.setdefault(plugin.name, []).append(message)
+        # Not logged here: the registry is rebuilt on every pre-freeze registration, and the
+        # host logs each note once (PluginInfo.warnings keeps them for `attnhost plugins`).
+        self.notes.setdefault(plugin.name, []).append(one_line(message))
 
     def _owner(self, name: str) -> BackendEntry | None:
         canonical = name if name in self.entries else self.aliases.get(name)
@@ -234,6 +246,9 @@ class _Merger:
                 merged, plugin.name, plugin.distribution, plugin.version, existing.draft, existing.plugin
             )
             self.owned.setdefault(plugin.name, []).append(spec.name)
+        elif spec.implemented and existing.plugin == plugin.name:
+            self._note(plugin, f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept")
+            return
         elif spec.implemented:
             self._note(
                 plugin,

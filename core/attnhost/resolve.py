@@ -9,10 +9,10 @@ warning). Draft capability is asked of the registry only — no private list.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from attnhost._log import logger
 from attnhost.discovery import describe_exception
 from attnhost.errors import AttnhostError
 from attnhost.host import default_host
@@ -28,8 +28,6 @@ __all__ = [
     "resolve_attention_backends",
     "resolve_draft_attention_backend",
 ]
-
-logger = logging.getLogger("attnhost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +83,7 @@ def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, dra
     for impl in reversed(caller.get_hookimpls()):
         try:
             answer = impl.function(platform=platform)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not stop the server either
             logger.warning(
                 "plugin %r: hook %s(%r) raised %s; asking the next plugin",
                 impl.plugin_name,

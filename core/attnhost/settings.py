@@ -8,7 +8,6 @@ one place.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 __all__ = [
     "DISABLE_AUTOLOAD_ENV",
@@ -32,14 +31,47 @@ def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
-@dataclass(frozen=True, slots=True)
 class LoadSettings:
-    """Which third-party plugins may load, and whether a failure is fatal."""
+    """Which third-party plugins may load, and whether a failure is fatal.
+
+    Immutable, compared by value. Hand-written rather than a frozen dataclass:
+    every CLI call builds this class, and generating a dataclass costs ~0.3 ms
+    of a start-up budget measured in single milliseconds (BENCHMARKS.md).
+    """
+
+    __slots__ = ("allow", "autoload", "strict")
 
     allow: frozenset[str] | None
     """``None``: every plugin; otherwise only these (the built-ins always load)."""
     autoload: bool
     strict: bool
+
+    def __init__(self, allow: frozenset[str] | None, autoload: bool, strict: bool) -> None:
+        set_ = object.__setattr__
+        set_(self, "allow", allow)
+        set_(self, "autoload", autoload)
+        set_(self, "strict", strict)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"LoadSettings is immutable; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"LoadSettings is immutable; cannot delete {name!r}")
+
+    def _key(self) -> tuple[frozenset[str] | None, bool, bool]:
+        return (self.allow, self.autoload, self.strict)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, LoadSettings)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"LoadSettings(allow={self.allow!r}, autoload={self.autoload!r}, strict={self.strict!r})"
 
     @classmethod
     def from_env(cls) -> LoadSettings:

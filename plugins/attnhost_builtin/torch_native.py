@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.forward_batch import KVPool
 
 if TYPE_CHECKING:
     from attnhost.forward_batch import ForwardBatch
@@ -51,6 +52,8 @@ class _RequestPlan:
     kv_run: tuple[int, int] | None  # contiguous slot range, read as a view
     kv_index: torch.Tensor | None  # gather indices when the slots are fragmented
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
+    recipes: dict[int, tuple[bool, bool, torch.Tensor | None]] = field(default_factory=dict)
+    """(folds, is_causal, mask) by GQA group size: decided on the first layer, reused by the rest."""
 
     def keys(self, buffer: torch.Tensor) -> torch.Tensor:
         """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer."""
@@ -72,6 +75,17 @@ class _RequestPlan:
 
     def _fold_fits(self, group: int) -> bool:
         return self.q_len <= 1 or group * self.q_len * self.seq_len <= _MAX_FOLDED_MASK
+
+    def recipe(self, group: int, device: torch.device) -> tuple[bool, bool, torch.Tensor | None]:
+        """How every layer with this GQA group size calls SDPA for this request; computed once.
+
+        Per-layer Python work is per-request overhead on top of SDPA (16
+        requests x every layer in a decode step), so the decisions are cached.
+        """
+        recipe = self.recipes.get(group)
+        if recipe is None:
+            recipe = self.recipes[group] = (self.folds(group), self.uses_is_causal(group), self.mask(group, device))
+        return recipe
 
     def mask(self, group: int, device: torch.device) -> torch.Tensor | None:
         """The bottom-right-aligned causal mask, rows repeated per folded head; cached."""
@@ -153,7 +167,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.kv_pool
         if save_kv_cache:
             kv_shape = (-1, layer.num_kv_heads, layer.head_dim)
-            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
+            _save_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
         if len(plan.requests) == 1:
@@ -177,6 +191,26 @@ class TorchNativeAttnBackend(AttentionBackend):
                 "ForwardBatch; call it once per batch before the layers run"
             )
         return plan
+
+
+def _save_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``pool.set_kv``, through ``index_copy_`` when the pool is a plain ``KVPool``.
+
+    ``KVPool.set_kv`` assigns with advanced indexing (``buffer[loc] = k``,
+    i.e. ``index_put_``), which on CPU (torch 2.13) opens an OpenMP parallel
+    region even to write a handful of rows; on cores shared with other work
+    (any busy server) it then waits for descheduled threads: 5.4 ms for 16
+    decode tokens with 2 threads on a loaded 2-core machine, against 7 us
+    single-threaded — more than the decode attention itself (BENCHMARKS.md).
+    ``index_copy_`` writes the rows without that (~6 us either way), with the
+    same result, duplicates included (both leave one unspecified winner). A
+    pool subclass that overrides ``set_kv`` keeps its own behaviour.
+    """
+    if type(pool).set_kv is not KVPool.set_kv or k.shape[0] != loc.shape[0]:
+        pool.set_kv(layer_id, loc, k, v)
+        return
+    pool.k_buffer(layer_id).index_copy_(0, loc, k.to(pool.dtype))
+    pool.v_buffer(layer_id).index_copy_(0, loc, v.to(pool.dtype))
 
 
 def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: int) -> _RequestPlan:
@@ -213,9 +247,9 @@ def _attend_request(
     k_h, v_h = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # views
     if k_h.dtype != q.dtype:
         k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
-    mask = req.mask(group, q.device)
+    folds, is_causal, mask = req.recipe(group, q.device)
     q_h = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim]
-    if req.folds(group):
+    if folds:
         folded = q_h.reshape(1, layer.num_kv_heads, group * req.q_len, layer.head_dim)
         o = F.scaled_dot_product_attention(folded, k_h, v_h, attn_mask=mask, scale=layer.scaling)
         return o.reshape(layer.num_heads, req.q_len, layer.head_dim).transpose(0, 1)
@@ -224,7 +258,7 @@ def _attend_request(
         k_h,
         v_h,
         attn_mask=mask,
-        is_causal=req.uses_is_causal(group),
+        is_causal=is_causal,
         scale=layer.scaling,
         enable_gqa=group > 1,
     )

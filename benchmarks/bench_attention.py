@@ -1,0 +1,168 @@
+"""Attention overhead: one layer's forward through a runner's ``torch_native`` backend vs bare SDPA.
+
+The baseline is, exactly, *the same ``scaled_dot_product_attention`` calls the
+backend makes, on the same tensors, without the runner/backend layer*: one
+forward is run with SDPA wrapped to record every call's arguments, and the
+baseline replays those recorded calls. Whatever the backend does around
+SDPA is therefore the measured overhead: writing the new K/V into the cache,
+slicing or gathering each request's keys, folding GQA heads, the mode
+dispatch and the forward context, assembling the output.
+
+Per-batch planning (``init_forward_metadata``, once per forward for all
+layers) is not in the per-layer figure; it is reported in the notes.
+
+Shapes: 32 query heads, 8 KV heads, head_dim 128, float32, CPU. "contiguous"
+means each request's slots form one ascending run (read as a view); "paged"
+means the decode token's slot was allocated after every prefix, as a paged
+allocator does mid-generation (a request's keys are then gathered).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from _common import Row, interleaved, per_call
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def _cases(quick: bool) -> list[tuple[str, str, int, int, int, bool]]:
+    """(label, mode, requests, prefix, new tokens, contiguous)."""
+    cases = [
+        ("extend 1x2048 (prefill)", "extend", 1, 0, 2048, True),
+        ("extend 4x128 on 896 prefix (chunked)", "extend", 4, 896, 128, True),
+        ("decode 16x1024, contiguous", "decode", 16, 1023, 1, True),
+        ("decode 16x1024, paged", "decode", 16, 1023, 1, False),
+    ]
+    if not quick:
+        cases.insert(1, ("extend 1x512 (prefill)", "extend", 1, 0, 512, True))
+        cases.append(("decode 64x256, paged", "decode", 64, 255, 1, False))
+    return cases
+
+
+def _setup(mode: str, n_req: int, prefix: int, new: int, contiguous: bool) -> tuple[Any, ...]:
+    import torch
+
+    from attnhost import ForwardBatch, ForwardMode, ModelRunner, ServerArgs
+
+    torch.manual_seed(0)
+    seq = prefix + new
+    runner = ModelRunner(
+        ServerArgs(attention_backend="torch_native"),
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_requests=n_req,
+        max_context_len=seq,
+        num_slots=n_req * seq,
+    )
+    pool = runner.kv_pool
+    requests = [runner.new_request() for _ in range(n_req)]
+    forward_mode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+    if contiguous:
+        # Each request takes its whole run at once; the forward then covers its last `new` tokens.
+        runner.prepare_batch(ForwardMode.EXTEND, [(r, 0, seq) for r in requests])
+        loc = torch.cat([pool.req_to_token[r, prefix:seq] for r in requests])
+        batch = ForwardBatch.from_lists(pool, forward_mode, [(r, prefix, new) for r in requests], loc)
+    else:
+        if prefix:
+            runner.prepare_batch(ForwardMode.EXTEND, [(r, 0, prefix) for r in requests])
+        batch = ForwardBatch.prepare(pool, forward_mode, [(r, prefix, new) for r in requests])
+    pool.k_buffer(0).normal_()
+    pool.v_buffer(0).normal_()
+    start = time.perf_counter()
+    runner.attn_backend.init_forward_metadata(batch)
+    plan_seconds = time.perf_counter() - start
+    n = batch.num_new_tokens
+    q = torch.randn(n, HEADS * HEAD_DIM)
+    k = torch.randn(n, KV_HEADS * HEAD_DIM)
+    v = torch.randn(n, KV_HEADS * HEAD_DIM)
+    return runner, batch, q, k, v, plan_seconds
+
+
+def _record_sdpa(forward: Callable[[], object]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Run ``forward`` once with SDPA wrapped, returning every call's arguments."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    F.scaled_dot_product_attention = spy
+    try:
+        forward()
+    finally:
+        F.scaled_dot_product_attention = real
+    return calls
+
+
+def run(rounds: int, quick: bool, threads: int | None) -> list[Row]:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_grad_enabled(False)
+    default_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run(rounds, quick, torch.get_num_threads())
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _run(rounds: int, quick: bool, threads: int) -> list[Row]:
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    rows = []
+    for label, mode, n_req, prefix, new, contiguous in _cases(quick):
+        runner, batch, q, k, v, plan_seconds = _setup(mode, n_req, prefix, new, contiguous)
+        backend, layer = runner.attn_backend, runner.layers[0]
+
+        def through_runner() -> object:
+            with runner.forward_context():
+                return backend.forward(q, k, v, layer, batch)
+
+        calls = _record_sdpa(through_runner)
+
+        def direct() -> None:
+            for args, kwargs in calls:
+                sdpa(*args, **kwargs)
+
+        number = max(1, int(0.05 / _once(through_runner)))
+        stats = interleaved({"runner": per_call(through_runner, number), "direct": per_call(direct, number)}, rounds)
+        rows.append(
+            Row(
+                section="attention overhead",
+                case=label,
+                candidate="runner torch_native forward (1 layer)",
+                value=stats["runner"].median * 1e6,
+                baseline=f"the same {len(calls)} SDPA call(s) on the same tensors",
+                baseline_value=stats["direct"].median * 1e6,
+                unit="us",
+                spread=stats["runner"].spread,
+                baseline_spread=stats["direct"].spread,
+                n=stats["runner"].n,
+                target="ratio <= 1.05",
+                max_ratio=1.05,
+                notes=[
+                    f"torch threads: {threads}; init_forward_metadata (once per batch, all layers): "
+                    f"{plan_seconds * 1e6:.0f} us"
+                ],
+            )
+        )
+    return rows
+
+
+def _once(fn: Callable[[], object]) -> float:
+    fn()
+    start = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - start, 1e-6)
+

@@ -1,0 +1,780 @@
+"""``BackendConformance``: the suite every attention backend plugin should pass.
+
+A plugin author subclasses it in their own tests::
+
+    from attnhost.testing import BackendConformance
+
+    class TestMine(BackendConformance):
+        backend_name = "mine"
+
+and runs ``pytest``. Every test goes through the public path a serving engine
+uses — the installed plugin, the registry, ``ServerArgs``, a ``ModelRunner``
+as target and as draft, ``runner.prepare_batch`` and ``backend.forward`` under
+the runner's forward context — so passing means "works when installed", not
+"works when imported by hand".
+
+Numerics are compared with :func:`attnhost.reference.reference_attention`
+(float64, a naive loop sharing no code with any backend). The reference reads
+K/V from a copy of the cache in which the kit itself wrote the new tokens, so
+a backend that stores K/V in the wrong place fails the cache test *and*
+cannot make its own output look right by reading back its own mistake.
+
+A failure names the property that broke and by how much, e.g.
+``extend with cached prefix: max abs error 3.2e-03 exceeds 1e-05 (float32,
+8 heads / 2 KV heads, layer 0, request 1, token 4 of 11, head 2)``.
+
+Class attributes an author may override: ``backend_name`` (required),
+``expect_draft`` (assert the backend is / is not draft-capable),
+``platform`` (resolution platform, default: detected), ``device``,
+``float32_atol``/``bfloat16_atol``, ``head_dim``, ``seed`` and
+``check_discovery_imports``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, ClassVar, NoReturn
+
+import pytest
+import torch
+
+from attnhost.availability import check_availability
+from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.context import dispatch_attention_backend, get_attn_backend
+from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_mode import ForwardMode
+from attnhost.host import default_host, get_registry
+from attnhost.platform import current_platform
+from attnhost.reference import reference_attention
+from attnhost.registry import BackendEntry
+from attnhost.resolve import DraftResolution
+from attnhost.runner import ModelRunner
+from attnhost.server_args import ServerArgs
+
+__all__ = ["BackendConformance"]
+
+Request = tuple[int, int, int]
+_STAMPS = ("prefill_attention_backend_str", "decode_attention_backend_str")
+_MISSING = object()
+
+
+def _fail(message: str) -> NoReturn:
+    """Fail with the message only: the kit's frames would hide what the author needs to read."""
+    pytest.fail(message, pytrace=False)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass
+class _LayerRun:
+    """One layer's forward: its inputs, its output, and the cache as it must look afterwards."""
+
+    layer: AttentionLayer
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    expected_k: torch.Tensor
+    expected_v: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Step:
+    batch: ForwardBatch
+    layers: list[_LayerRun]
+
+
+# Run in a fresh interpreter, as `attnhost list` would be: load the registry and
+# report what that imported. The audit hook records who imported torch first.
+_DISCOVERY_PROBE = r"""
+import json, sys, traceback
+culprit = []
+def _hook(event, args):
+    if event == "import" and args[0] == "torch" and not culprit:
+        frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<")]
+        culprit.extend(f"{f.filename}:{f.lineno}" for f in reversed(frames[-3:]))
+sys.addaudithook(_hook)
+from attnhost.host import default_host, get_registry
+registry = get_registry()
+name = registry.canonical(sys.argv[1])
+spec = registry[name] if name else None
+module = spec.factory_module if spec is not None and isinstance(spec.factory, str) else None
+plugins = {p.name: (p.status.value, p.error) for p in default_host().plugins()}
+print(json.dumps({
+    "found": name is not None,
+    "plugins": plugins,
+    "torch": "torch" in sys.modules,
+    "culprit": culprit,
+    "factory_module": module,
+    "factory_imported": module is not None and module in sys.modules,
+}))
+"""
+
+
+class BackendConformance:
+    """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
+
+    backend_name: ClassVar[str | None] = None
+    """The backend under test, as registered (an alias is accepted)."""
+    expect_draft: ClassVar[bool | None] = None
+    """``True``/``False`` asserts the backend is/is not draft-capable; ``None`` accepts either."""
+    platform: ClassVar[str | None] = None
+    """Platform to resolve for (``cuda``, ``rocm``, ...); ``None`` detects it as ``attnhost`` does."""
+    device: ClassVar[str] = "cpu"
+    """Where the runners allocate their KV cache and the inputs live."""
+    float32_atol: ClassVar[float] = 1e-5
+    """Max abs error against the float64 reference for float32 inputs."""
+    bfloat16_atol: ClassVar[float] = 2e-2
+    """Max abs error for bfloat16 inputs (the reference sees the same bf16-rounded inputs)."""
+    head_dim: ClassVar[int] = 32
+    seed: ClassVar[int] = 0
+    check_discovery_imports: ClassVar[bool] = True
+    """Check in a subprocess that loading the plugin imports neither torch nor the factory module."""
+
+    name: str
+    entry: BackendEntry
+    _generator: torch.Generator
+
+    # -- set-up ---------------------------------------------------------------------
+
+    @pytest.fixture
+    def attnhost_backend_name(self) -> str:
+        """The name under test; ``pytest --attnhost-backend`` parametrizes this fixture instead."""
+        if not self.backend_name:
+            _fail(f"{type(self).__name__}: set the class attribute backend_name = '<your backend>'")
+        return self.backend_name
+
+    @pytest.fixture(autouse=True)
+    def _attnhost_conformance_setup(self, attnhost_backend_name: str) -> None:
+        registry = get_registry()
+        canonical = registry.canonical(attnhost_backend_name)
+        if canonical is None:
+            _fail(
+                f"spec: {registry.unknown_message(attnhost_backend_name)}; is the plugin installed "
+                "(`attnhost list`) and did it load (`attnhost plugins`)?"
+            )
+        self.name = canonical
+        self.entry = registry.entry(canonical)
+        # A private generator: the kit must not move torch's global RNG either.
+        self._generator = torch.Generator().manual_seed(self.seed)
+
+    def _require_available(self) -> None:
+        platform = current_platform(self.platform)
+        availability = check_availability(self.entry, platform)
+        if not availability.available:
+            pytest.skip(f"backend {self.name!r} is not available on {platform}: {availability.reason}")
+
+    def _require_draft(self) -> None:
+        if not self.entry.draft:
+            pytest.skip(
+                f"backend {self.name!r} is target-only (its plugin does not list it in "
+                "attnhost_draft_attention_backends), so there is no draft runner to test"
+            )
+
+    def _args(self) -> ServerArgs:
+        return ServerArgs(
+            attention_backend=self.name,
+            speculative_draft_attention_backend=self.name if self.entry.draft else None,
+        )
+
+    def _runner(
+        self,
+        args: ServerArgs | None = None,
+        *,
+        is_draft: bool = False,
+        num_heads: int = 8,
+        num_kv_heads: int = 2,
+        dtype: torch.dtype = torch.float32,
+    ) -> ModelRunner:
+        self._require_available()
+        role = "draft" if is_draft else "target"
+        try:
+            return ModelRunner(
+                args if args is not None else self._args(),
+                is_draft=is_draft,
+                num_layers=2,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=self.head_dim,
+                max_requests=8,
+                max_context_len=256,
+                num_slots=1024,
+                dtype=dtype,
+                device=self.device,
+                platform=self.platform,
+            )
+        except Exception as exc:
+            raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
+
+    def _randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=self._generator).to(device=self.device, dtype=dtype)
+
+    # -- running and checking -------------------------------------------------------
+
+    def _forward(
+        self,
+        runner: ModelRunner,
+        mode: ForwardMode,
+        requests: Sequence[Request],
+        what: str,
+        *,
+        check: bool = True,
+    ) -> _Step:
+        """Prepare one batch and run it through every layer; ``check`` compares each output with the reference.
+
+        Tests of other properties pass ``check=False``, so a numerical error
+        fails the numerics tests only and every failure names one property.
+        """
+        batch = self._prepare(runner, mode, requests, what)
+        return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in runner.layers])
+
+    @staticmethod
+    def _prepare(runner: ModelRunner, mode: ForwardMode, requests: Sequence[Request], what: str) -> ForwardBatch:
+        """``runner.prepare_batch``, which calls the backend's ``init_forward_metadata`` once for the batch."""
+        try:
+            return runner.prepare_batch(mode, requests)
+        except Exception as exc:
+            raise AssertionError(
+                f"{what}: init_forward_metadata ({mode.name}) raised {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _run_layer(
+        self, runner: ModelRunner, batch: ForwardBatch, layer: AttentionLayer, what: str, *, check: bool = True
+    ) -> _LayerRun:
+        pool = runner.kv_pool
+        n = batch.num_new_tokens
+        q = self._randn(n, layer.num_heads, layer.head_dim, dtype=runner.dtype)
+        k = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        v = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        expected_k = pool.k_buffer(layer.layer_id).clone()
+        expected_v = pool.v_buffer(layer.layer_id).clone()
+        expected_k[batch.out_cache_loc] = k.to(pool.dtype)
+        expected_v[batch.out_cache_loc] = v.to(pool.dtype)
+        out = self._call(runner, q, k, v, layer, batch, what)
+        run = _LayerRun(layer, q, k, v, out, expected_k, expected_v)
+        if check:
+            self._check_output(what, run, batch)
+        return run
+
+    def _call(
+        self,
+        runner: ModelRunner,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        what: str,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        try:
+            with torch.no_grad(), runner.forward_context() as backend:
+                out = backend.forward(q, k, v, layer, batch, save_kv_cache)
+        except Exception as exc:
+            raise AssertionError(
+                f"{what}: forward ({batch.forward_mode.name}, layer {layer.layer_id}) raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(out, torch.Tensor):
+            _fail(f"{what}: forward returned {type(out).__name__}, not a torch.Tensor")
+        return out
+
+    def _check_output(
+        self,
+        what: str,
+        run: _LayerRun,
+        batch: ForwardBatch,
+        *,
+        k_buffer: torch.Tensor | None = None,
+        v_buffer: torch.Tensor | None = None,
+    ) -> None:
+        layer, out, q = run.layer, run.out, run.q
+        expected_shape = (batch.num_new_tokens, layer.num_heads, layer.head_dim)
+        if tuple(out.shape) != expected_shape:
+            _fail(
+                f"{what}: output shape {tuple(out.shape)}, expected {expected_shape} "
+                f"([tokens, num_heads, head_dim], layer {layer.layer_id})"
+            )
+        if out.dtype != q.dtype:
+            _fail(f"{what}: output dtype {_dtype_name(out.dtype)}, expected the query's {_dtype_name(q.dtype)}")
+        ref = reference_attention(
+            q,
+            layer,
+            batch,
+            k_buffer=run.expected_k if k_buffer is None else k_buffer,
+            v_buffer=run.expected_v if v_buffer is None else v_buffer,
+        )
+        got = out.detach().to("cpu", torch.float64)
+        atol = self.bfloat16_atol if q.dtype == torch.bfloat16 else self.float32_atol
+        diff = (got - ref).abs()
+        finite = torch.isfinite(got)
+        if not bool(finite.all()):
+            index = int((~finite).flatten().nonzero()[0])
+            _fail(f"{what}: output is not finite ({self._where(index, layer, batch, q.dtype)})")
+        error = float(diff.max()) if diff.numel() else 0.0
+        if error > atol:
+            index = int(diff.flatten().argmax())
+            _fail(f"{what}: max abs error {error:.1e} exceeds {atol:.0e} ({self._where(index, layer, batch, q.dtype)})")
+
+    @staticmethod
+    def _where(flat_index: int, layer: AttentionLayer, batch: ForwardBatch, dtype: torch.dtype) -> str:
+        """Turn a flat output index into "request 1, token 4 of 11, head 2" for the failure message."""
+        token, rest = divmod(flat_index, layer.num_heads * layer.head_dim)
+        head = rest // layer.head_dim
+        request = bisect.bisect_right(batch.extend_start_loc_cpu, token) - 1
+        within = token - batch.extend_start_loc_cpu[request]
+        return (
+            f"{_dtype_name(dtype)}, {layer.num_heads} heads / {layer.num_kv_heads} KV heads, layer {layer.layer_id}, "
+            f"request {request}, token {within} of {batch.extend_seq_lens_cpu[request]}, head {head}"
+        )
+
+    def _fragmented_prefix(self, runner: ModelRunner, prefix_len: int) -> int:
+        """A request whose cached prefix sits in descending, non-contiguous slots, written by the caller."""
+        pool = runner.kv_pool
+        request = runner.new_request()
+        slots = pool.alloc_slots(prefix_len).flip(0)
+        pool.req_to_token[request, :prefix_len] = slots
+        for layer in runner.layers:
+            pool.set_kv(
+                layer.layer_id,
+                slots,
+                self._randn(prefix_len, layer.num_kv_heads, layer.head_dim, dtype=pool.dtype),
+                self._randn(prefix_len, layer.num_kv_heads, layer.head_dim, dtype=pool.dtype),
+            )
+        return request
+
+    # -- the spec -----------------------------------------------------------------------
+
+    def test_spec_name_and_description(self) -> None:
+        spec = self.entry.spec
+        if spec.name != self.name:
+            _fail(f"spec: registry entry {self.name!r} carries a spec named {spec.name!r}")
+        lines = spec.description.strip().splitlines()
+        if not lines:
+            _fail(
+                f"spec: backend {self.name!r} has no description; give BackendSpec a one-line "
+                "description= (or the shorthand class a docstring): `attnhost list` shows it"
+            )
+        if len(lines) > 1:
+            _fail(f"spec: the description of {self.name!r} spans {len(lines)} lines; keep it to one")
+        if not spec.implemented:
+            _fail(f"spec: backend {self.name!r} is declared only (no factory); give its BackendSpec a factory=")
+
+    def test_spec_roles(self) -> None:
+        roles = self.entry.roles
+        if "target" not in roles:
+            _fail(f"spec: backend {self.name!r} has roles {roles}, without 'target'")
+        registry = get_registry()
+        if self.entry.draft != registry.is_draft_capable(self.name):
+            _fail(f"spec: the registry disagrees with itself on whether {self.name!r} is draft-capable")
+        if self.expect_draft is not None and self.entry.draft != self.expect_draft:
+            how = (
+                "return its name from an @attnhost.hookimpl attnhost_draft_attention_backends() "
+                "(the shorthand entry point does this for you)"
+                if self.expect_draft
+                else "remove it from attnhost_draft_attention_backends()"
+            )
+            _fail(
+                f"spec: backend {self.name!r} has roles {', '.join(roles)} "
+                f"but expect_draft = {self.expect_draft}; {how}"
+            )
+
+    def test_spec_factory_importable_and_available(self) -> None:
+        spec = self.entry.spec
+        try:
+            factory = spec.load()
+        except Exception as exc:
+            raise AssertionError(
+                f"spec: the factory {spec.factory!r} of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not callable(factory):
+            _fail(f"spec: the factory of {self.name!r} is {type(factory).__name__}, not callable")
+        platform = current_platform(self.platform)
+        availability = check_availability(self.entry, platform)
+        if not availability.available:
+            _fail(
+                f"spec: backend {self.name!r} is not available on {platform}: {availability.reason} "
+                "(set platform = ... on the test class to test another platform's resolution)"
+            )
+
+    def test_discovery_imports_neither_torch_nor_the_implementation(self) -> None:
+        if not self.check_discovery_imports:
+            pytest.skip("check_discovery_imports = False")
+        if self.entry.distribution is None:
+            pytest.skip(f"backend {self.name!r} was registered in-process; only installed plugins are discovered")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if self.entry.plugin == "builtin":
+            env["ATTNHOST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        else:  # load only this plugin: another plugin importing torch is not this one's fault
+            env.pop("ATTNHOST_DISABLE_PLUGIN_AUTOLOAD", None)
+            env["ATTNHOST_PLUGINS"] = self.entry.plugin
+        proc = subprocess.run(
+            [sys.executable, "-c", _DISCOVERY_PROBE, self.name],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        if proc.returncode != 0 or not proc.stdout.strip():
+            _fail(f"discovery: loading the plugins in a fresh interpreter failed:\n{proc.stderr.strip()}")
+        report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        if not report["found"]:
+            status = report["plugins"].get(self.entry.plugin)
+            _fail(
+                f"discovery: a fresh interpreter does not find {self.name!r} (plugin {self.entry.plugin!r}: {status})"
+            )
+        if report["torch"]:
+            chain = " <- ".join(report["culprit"]) or "unknown"
+            _fail(
+                f"discovery: loading plugin {self.entry.plugin!r} imports torch ({chain}); `attnhost list` "
+                "must stay cheap: point the factory at a separate module ('module:attr') or import torch "
+                "inside the backend's methods"
+            )
+        if report["factory_imported"]:
+            _fail(
+                f"discovery: loading plugin {self.entry.plugin!r} imports its factory module "
+                f"{report['factory_module']!r}; keep the plugin module free of implementation imports"
+            )
+
+    # -- runners ------------------------------------------------------------------------
+
+    def _check_stamped(self, runner: ModelRunner, role: str) -> None:
+        backend = runner.attn_backend
+        stamps = tuple(getattr(backend, attr) for attr in _STAMPS)
+        if stamps != (self.name, self.name):
+            _fail(
+                f"{role} runner: the backend carries prefill/decode names {stamps}, expected "
+                f"({self.name!r}, {self.name!r}); the runner stamps them on the instance, do not overwrite them"
+            )
+        with runner.forward_context():
+            if get_attn_backend() is not backend:
+                _fail(f"{role} runner: inside its forward context the current backend is not the runner's")
+            for mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+                chosen = dispatch_attention_backend(mode)
+                if chosen != self.name:
+                    _fail(f"{role} runner: {mode.name} dispatches to {chosen!r}, expected {self.name!r}")
+
+    def test_target_runner_builds_and_stamps_its_backend(self) -> None:
+        args = self._args()
+        runner = self._runner(args)
+        self._check_stamped(runner, "target")
+        again = self._runner(args)
+        if again.attn_backend is runner.attn_backend:
+            _fail("target runner: two runners got the same backend instance; the factory must build a new one per call")
+        self._forward(runner, ForwardMode.EXTEND, [(runner.new_request(), 0, 7)], "target runner extend", check=False)
+
+    def test_draft_runner_builds_and_stamps_its_backend(self) -> None:
+        self._require_draft()
+        args = self._args()
+        target = self._runner(args)
+        draft = self._runner(args, is_draft=True)
+        resolution = draft.resolution
+        assert isinstance(resolution, DraftResolution)
+        if resolution.name != self.name or resolution.fell_back:
+            _fail(
+                f"draft runner: --speculative-draft-attention-backend {self.name} resolved to "
+                f"{resolution.name!r}{' (fell back)' if resolution.fell_back else ''}: {'; '.join(resolution.trace)}"
+            )
+        if draft.attn_backend is target.attn_backend:
+            _fail("draft runner: target and draft share one backend instance; build a new one per factory call")
+        self._check_stamped(draft, "draft")
+        request = draft.new_request()
+        self._forward(draft, ForwardMode.DRAFT_EXTEND, [(request, 0, 9)], "draft runner extend", check=False)
+        self._forward(draft, ForwardMode.DECODE, [(request, 9, 1)], "draft runner decode", check=False)
+        with target.forward_context(), draft.forward_context():
+            if (
+                dispatch_attention_backend(ForwardMode.DECODE) != self.name
+                or get_attn_backend() is not draft.attn_backend
+            ):
+                _fail("draft runner: nested inside the target's forward context, dispatch did not reach the draft")
+
+    # -- numerics -----------------------------------------------------------------------
+
+    def test_extend_without_prefix(self) -> None:
+        runner = self._runner()
+        requests = [(runner.new_request(), 0, n) for n in (37, 1, 8)]
+        self._forward(runner, ForwardMode.EXTEND, requests, "extend without prefix")
+
+    def test_extend_with_cached_prefix(self) -> None:
+        runner = self._runner()
+        r0, r1 = runner.new_request(), runner.new_request()
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 20), (r1, 0, 9)], "extend without prefix")
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 20, 11), (r1, 9, 5)], "extend with cached prefix")
+        fragmented = self._fragmented_prefix(runner, 17)
+        self._forward(
+            runner,
+            ForwardMode.EXTEND,
+            [(fragmented, 17, 6), (r1, 14, 3)],
+            "extend with a cached prefix in non-contiguous slots",
+        )
+
+    def test_decode(self) -> None:
+        runner = self._runner()
+        requests = [runner.new_request() for _ in range(3)]
+        lengths = [13, 1, 40]
+        self._forward(
+            runner, ForwardMode.EXTEND, [(r, 0, n) for r, n in zip(requests, lengths, strict=True)], "prefill"
+        )
+        for step in range(3):  # each step interleaves the requests' slots, so later reads are gathers
+            batch = [(r, n + step, 1) for r, n in zip(requests, lengths, strict=True)]
+            self._forward(runner, ForwardMode.DECODE, batch, f"decode step {step}")
+        self._forward(runner, ForwardMode.DECODE, [(requests[2], 43, 1)], "decode of a single request")
+
+    def test_batch_of_requests_with_different_lengths(self) -> None:
+        runner = self._runner()
+        r = [runner.new_request() for _ in range(5)]
+        self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 30), (r[1], 0, 3), (r[4], 0, 64)], "prefill")
+        self._forward(
+            runner,
+            ForwardMode.MIXED,
+            [(r[0], 30, 1), (r[1], 3, 12), (r[2], 0, 25), (r[3], 0, 1), (r[4], 64, 2)],
+            "mixed batch of different lengths",
+        )
+        self._forward(
+            runner,
+            ForwardMode.TARGET_VERIFY,
+            [(r[0], 31, 4), (r[2], 25, 4), (r[4], 66, 4)],
+            "target-verify batch (draft tokens after a prefix)",
+        )
+
+    @pytest.mark.parametrize(
+        ("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)], ids=["mha-4-4", "gqa-8-2", "mqa-8-1"]
+    )
+    def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
+        runner = self._runner(num_heads=num_heads, num_kv_heads=num_kv_heads)
+        r0, r1 = runner.new_request(), runner.new_request()
+        label = f"{num_heads} query heads / {num_kv_heads} KV heads"
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 19), (r1, 0, 6)], f"{label}: extend")
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 19, 5), (r1, 6, 2)], f"{label}: extend with cached prefix")
+        self._forward(runner, ForwardMode.DECODE, [(r0, 24, 1), (r1, 8, 1)], f"{label}: decode")
+
+    def test_bfloat16(self) -> None:
+        runner = self._runner(dtype=torch.bfloat16)
+        r0, r1 = runner.new_request(), runner.new_request()
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 24), (r1, 0, 7)], "bfloat16 extend")
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 24, 6), (r1, 7, 3)], "bfloat16 extend with cached prefix")
+        self._forward(runner, ForwardMode.DECODE, [(r0, 30, 1), (r1, 10, 1)], "bfloat16 decode")
+
+    # -- the cache --------------------------------------------------------------------
+
+    def test_kv_lands_in_the_right_cache_slots(self) -> None:
+        runner = self._runner()
+        pool = runner.kv_pool
+        for layer in runner.layers:  # a non-zero background makes stray writes visible
+            pool.k_buffer(layer.layer_id).copy_(self._randn(*pool.k_buffer(0).shape, dtype=pool.dtype))
+            pool.v_buffer(layer.layer_id).copy_(self._randn(*pool.v_buffer(0).shape, dtype=pool.dtype))
+        r0, r1 = runner.new_request(), runner.new_request()
+        plan: list[tuple[ForwardMode, list[Request], str]] = [
+            (ForwardMode.EXTEND, [(r0, 0, 5), (r1, 0, 3)], "extend"),
+            (ForwardMode.EXTEND, [(r0, 5, 4), (r1, 3, 2)], "extend with cached prefix"),
+            (ForwardMode.DECODE, [(r0, 9, 1), (r1, 5, 1)], "decode"),
+        ]
+        for mode, requests, what in plan:
+            batch = self._prepare(runner, mode, requests, what)
+            for layer in reversed(runner.layers):  # last layer first: a backend must honour layer.layer_id
+                before = [(pool.k_buffer(i).clone(), pool.v_buffer(i).clone()) for i in range(len(runner.layers))]
+                table = pool.req_to_token.clone()
+                run = self._run_layer(runner, batch, layer, what, check=False)
+                self._check_cache(f"K/V cache after {what}", runner, batch, run, before)
+                if not torch.equal(pool.req_to_token, table):
+                    _fail(f"K/V cache after {what}: the backend wrote into req_to_token; only the scheduler may")
+
+    def _check_cache(
+        self,
+        what: str,
+        runner: ModelRunner,
+        batch: ForwardBatch,
+        run: _LayerRun,
+        before: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        pool = runner.kv_pool
+        layer_id = run.layer.layer_id
+        loc = batch.out_cache_loc
+        for kind, buffer, new, expected in (
+            ("K", pool.k_buffer(layer_id), run.k, run.expected_k),
+            ("V", pool.v_buffer(layer_id), run.v, run.expected_v),
+        ):
+            if torch.equal(buffer, expected):
+                continue
+            wrong = (buffer != expected).flatten(1).any(dim=1)
+            slot = int(wrong.nonzero()[0])
+            change = float((buffer[slot].double() - expected[slot].double()).abs().max())
+            positions = (loc == slot).nonzero()
+            if positions.numel():
+                token = int(positions[0])
+                request = bisect.bisect_right(batch.extend_start_loc_cpu, token) - 1
+                within = token - batch.extend_start_loc_cpu[request]
+                holder = next(
+                    (
+                        f"; it holds new token {int(i)}'s {kind}"
+                        for i in range(new.shape[0])
+                        if torch.equal(buffer[slot], new[i].to(pool.dtype))
+                    ),
+                    "",
+                )
+                _fail(
+                    f"{what}: layer {layer_id} slot {slot} (out_cache_loc of request {request}, token {within}) "
+                    f"does not hold that token's new {kind} (max abs diff {change:.1e}){holder}; write with "
+                    "kv_pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)"
+                )
+            _fail(
+                f"{what}: layer {layer_id} slot {slot}, which is not in out_cache_loc, was overwritten in {kind} "
+                f"(max abs change {change:.1e}); a backend writes only the batch's out_cache_loc slots"
+            )
+        for other, (k, v) in enumerate(before):
+            if other != layer_id and not (
+                torch.equal(pool.k_buffer(other), k) and torch.equal(pool.v_buffer(other), v)
+            ):
+                _fail(f"{what}: running layer {layer_id} changed layer {other}'s cache; use layer.layer_id")
+
+    def test_save_kv_cache_false_neither_writes_nor_uses_k_v(self) -> None:
+        runner = self._runner()
+        pool = runner.kv_pool
+        request = runner.new_request()
+        self._forward(runner, ForwardMode.EXTEND, [(request, 0, 12)], "prefill", check=False)
+        batch = self._prepare(runner, ForwardMode.EXTEND, [(request, 12, 4)], "save_kv_cache=False")
+        layer = runner.layers[0]
+        q = self._randn(4, layer.num_heads, layer.head_dim, dtype=runner.dtype)
+        k = self._randn(4, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        v = self._randn(4, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)  # the caller already stored them
+        snapshot = pool.k_buffer(layer.layer_id).clone(), pool.v_buffer(layer.layer_id).clone()
+        what = "save_kv_cache=False"
+        out = self._call(runner, q, k * 100, v * 100, layer, batch, what, save_kv_cache=False)
+        if not (torch.equal(pool.k_buffer(0), snapshot[0]) and torch.equal(pool.v_buffer(0), snapshot[1])):
+            _fail(f"{what}: the backend wrote K/V into the cache although save_kv_cache=False")
+        run = _LayerRun(layer, q, k, v, out, snapshot[0], snapshot[1])
+        self._check_output(f"{what} (attention must read K/V from the cache, not the k/v arguments)", run, batch)
+
+    def test_idle_batch_gives_an_empty_output(self) -> None:
+        runner = self._runner()
+        batch = self._prepare(runner, ForwardMode.IDLE, [], "idle batch")
+        layer = runner.layers[0]
+        empty_q = self._randn(0, layer.num_heads, layer.head_dim, dtype=runner.dtype)
+        empty_kv = self._randn(0, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        out = self._call(runner, empty_q, empty_kv, empty_kv, layer, batch, "idle batch")
+        if tuple(out.shape) != (0, layer.num_heads, layer.head_dim):
+            _fail(f"idle batch: output shape {tuple(out.shape)}, expected (0, {layer.num_heads}, {layer.head_dim})")
+
+    # -- isolation ----------------------------------------------------------------------
+
+    def test_runners_are_isolated(self) -> None:
+        args = self._args()
+        first = self._runner(args)
+        second = self._runner(args)
+        runners = [first, second] + ([self._runner(args, is_draft=True)] if self.entry.draft else [])
+        if len({id(r.attn_backend) for r in runners}) != len(runners):
+            _fail("isolation: two runners share a backend instance")
+        request = first.new_request()
+        self._forward(first, ForwardMode.EXTEND, [(request, 0, 10)], "isolation: first runner", check=False)
+        caches = [(r.kv_pool.k_buffer(0).clone(), r.kv_pool.v_buffer(0).clone()) for r in runners]
+        for i, runner in enumerate(runners[1:], 1):
+            self._forward(
+                runner, ForwardMode.EXTEND, [(runner.new_request(), 0, 6)], f"isolation: {runner.role} {i}", check=False
+            )
+            for j, other in enumerate(runners):
+                k, v = caches[j]
+                if j != i and not (
+                    torch.equal(other.kv_pool.k_buffer(0), k) and torch.equal(other.kv_pool.v_buffer(0), v)
+                ):
+                    _fail(f"isolation: a forward on runner {i} ({runner.role}) changed runner {j}'s KV cache")
+            caches[i] = (runner.kv_pool.k_buffer(0).clone(), runner.kv_pool.v_buffer(0).clone())
+        # the first runner's batch state must survive the others' forwards (per-backend metadata)
+        self._forward(
+            first, ForwardMode.DECODE, [(request, 10, 1)], "isolation: first runner after the others ran", check=False
+        )
+        for i, runner in enumerate(runners):
+            self._check_stamped(runner, f"isolation: runner {i} ({runner.role})")
+
+    def test_nothing_global_changes(self) -> None:
+        # Warm up first: one-time lazy initialisation (a kernel cache, a lazy import) is allowed.
+        warm = self._runner()
+        self._forward(warm, ForwardMode.EXTEND, [(warm.new_request(), 0, 5)], "warm-up", check=False)
+        registry = get_registry()
+        names, draft_names = registry.names(), registry.names("draft")
+        plugins = default_host().plugins()
+        environ = _environment()
+        torch_state = _torch_globals()
+        base_stamps = tuple(getattr(AttentionBackend, attr) for attr in _STAMPS)
+        backend_class = type(warm.attn_backend)
+        class_stamps = {attr: vars(backend_class).get(attr, _MISSING) for attr in _STAMPS}
+        module = _factory_module(self.entry, backend_class)
+        module_globals = dict(vars(module)) if module is not None else {}
+        warm_cache = warm.kv_pool.k_buffer(0).clone()
+
+        args = self._args()
+        frozen = dataclasses.astuple(args)
+        target = self._runner(args)
+        draft = self._runner(args, is_draft=True) if self.entry.draft else None
+        for runner in (target, draft):
+            if runner is not None:
+                request = runner.new_request()
+                self._forward(runner, ForwardMode.EXTEND, [(request, 0, 8)], f"{runner.role} extend", check=False)
+                self._forward(runner, ForwardMode.DECODE, [(request, 8, 1)], f"{runner.role} decode", check=False)
+
+        if dataclasses.astuple(args) != frozen:
+            _fail(f"global state: the ServerArgs changed from {frozen} to {dataclasses.astuple(args)}")
+        if get_registry() is not registry or registry.names() != names or registry.names("draft") != draft_names:
+            _fail("global state: the backend registry changed while runners were built")
+        if default_host().plugins() != plugins:
+            _fail("global state: the set of loaded plugins changed while runners were built")
+        stamps = tuple(getattr(AttentionBackend, attr) for attr in _STAMPS)
+        if stamps != base_stamps:
+            _fail(f"global state: AttentionBackend's class attributes {_STAMPS} became {stamps}; stamp instances only")
+        for attr, value in class_stamps.items():
+            now = vars(backend_class).get(attr, _MISSING)
+            if now is not value:
+                _fail(f"global state: {backend_class.__qualname__}.{attr} was set to {now!r} on the class")
+        if module is not None:
+            changed = sorted(
+                key
+                for key in set(module_globals) | set(vars(module))
+                if vars(module).get(key, _MISSING) is not module_globals.get(key, _MISSING)
+            )
+            if changed:
+                _fail(
+                    f"global state: building runners rebinds module globals of {module.__name__}: "
+                    f"{', '.join(changed)}; keep per-runner state on the backend instance"
+                )
+        now_torch = _torch_globals()
+        if now_torch != torch_state:
+            diff = {k: (torch_state[k], now_torch[k]) for k in torch_state if torch_state[k] != now_torch[k]}
+            _fail(f"global state: torch settings changed (before, after): {diff}")
+        if _environment() != environ:
+            now_environ = _environment()
+            keys = sorted(set(environ) ^ set(now_environ) | {k for k in environ if now_environ.get(k) != environ[k]})
+            _fail(f"global state: environment variables changed: {', '.join(keys)}")
+        if not torch.equal(warm.kv_pool.k_buffer(0), warm_cache):
+            _fail("global state: other runners' forwards changed an earlier runner's KV cache")
+        self._check_stamped(warm, "global state: the earlier runner")
+
+
+def _torch_globals() -> dict[str, object]:
+    """The process-wide torch settings a backend might be tempted to flip."""
+    return {
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+        "num_threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _environment() -> dict[str, str]:
+    """``os.environ`` without pytest's own bookkeeping variables."""
+    return {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
+
+
+def _factory_module(entry: BackendEntry, backend_class: type) -> ModuleType | None:
+    name = entry.spec.factory_module or backend_class.__module__
+    return sys.modules.get(name)

@@ -1,0 +1,128 @@
+"""``batched_matmul``: every request of a batch attended at once, with padding and one mask.
+
+``torch_native`` loops over requests and calls SDPA per request. This backend
+instead pads the batch into rectangles — queries ``[B, T, ...]`` with
+``T = max new tokens``, keys ``[B, L, ...]`` with ``L = max sequence length``
+— and runs one matmul, one softmax and one matmul for all of it. A single
+boolean mask ``[B, T, L]`` carries both causality (query ``t`` of request
+``b`` sees key ``j`` iff ``j <= prefix_b + t``) and padding (``j < seq_b``).
+
+Everything that depends only on the batch (gather indices, the mask, where
+each real query sits in the padded layout) is built once in
+``init_forward_metadata``; each layer then does a gather, the three big ops
+and a scatter back. GQA is a broadcast: queries are viewed as
+``[B, kv_heads, group, T, D]`` against keys ``[B, kv_heads, 1, L, D]``, so KV
+heads are never copied per query head. Scores and softmax run in float32
+even for bfloat16 inputs, as fused kernels accumulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnhost import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from attnhost import ForwardBatch, ModelRunner
+
+__all__ = ["BatchedMatmulAttnBackend"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Metadata:
+    batch: ForwardBatch
+    key_slots: torch.Tensor  # [B, L] cache slot of every (request, key position); padding points at slot 0
+    allowed: torch.Tensor  # [B, 1, 1, T, L] True where the query may attend to the key
+    query_valid: torch.Tensor  # [B, T] True for real (not padding) query rows, in token order
+
+
+class BatchedMatmulAttnBackend(AttentionBackend):
+    """Padded, masked, batched matmul attention over a token-slot KV cache."""
+
+    def __init__(self, runner: ModelRunner | None = None) -> None:
+        super().__init__(runner)
+        self._metadata: _Metadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build the padded layout and the mask once per batch; every layer reuses them."""
+        if forward_batch.batch_size == 0:
+            self._metadata = None
+            return
+        device = forward_batch.kv_pool.device
+        max_keys = max(forward_batch.seq_lens_cpu)
+        max_queries = max(forward_batch.extend_seq_lens_cpu)
+        table = forward_batch.kv_pool.req_to_token
+        key_pos = torch.arange(max_keys, device=device)
+        key_valid = key_pos.unsqueeze(0) < forward_batch.seq_lens.unsqueeze(1)  # [B, L]
+        rows = table.index_select(0, forward_batch.req_pool_indices)[:, :max_keys]
+        key_slots = torch.where(key_valid, rows, torch.zeros_like(rows))
+        query_idx = torch.arange(max_queries, device=device)
+        query_valid = query_idx.unsqueeze(0) < forward_batch.extend_seq_lens.unsqueeze(1)  # [B, T]
+        query_pos = forward_batch.prefix_lens.unsqueeze(1) + query_idx.unsqueeze(0)  # absolute positions
+        causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
+        # Every row keeps key 0 (position 0 <= any query position), so softmax never sees an all-masked row.
+        allowed = (causal & key_valid.unsqueeze(1)).view(forward_batch.batch_size, 1, 1, max_queries, max_keys)
+        self._metadata = _Metadata(forward_batch, key_slots, allowed, query_valid)
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        # Decode is the T == 1 case of the same padded computation.
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        meta = self._metadata
+        if meta is None or meta.batch is not forward_batch:
+            raise RuntimeError("batched_matmul: init_forward_metadata() was not called for this ForwardBatch")
+        pool = forward_batch.kv_pool
+        kv_heads, dim = layer.num_kv_heads, layer.head_dim
+        if save_kv_cache:
+            pool.set_kv(
+                layer.layer_id, forward_batch.out_cache_loc, k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
+            )
+        batch, max_queries = meta.query_valid.shape
+        group = layer.num_heads // kv_heads
+        compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+        # [tokens, heads, D] -> padded [B, T, heads, D] -> [B, kv_heads, group, T, D]
+        padded_q = q.new_zeros((batch, max_queries, layer.num_heads, dim), dtype=compute)
+        padded_q[meta.query_valid] = q.view(-1, layer.num_heads, dim).to(compute)
+        padded_q = padded_q.view(batch, max_queries, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        # cache [slots, kv_heads, D] -> [B, L, kv_heads, D] -> [B, kv_heads, 1, L, D]
+        keys = pool.k_buffer(layer.layer_id)[meta.key_slots].to(compute).permute(0, 2, 1, 3).unsqueeze(2)
+        values = pool.v_buffer(layer.layer_id)[meta.key_slots].to(compute).permute(0, 2, 1, 3).unsqueeze(2)
+
+        scores = torch.matmul(padded_q, keys.transpose(-1, -2)) * layer.scaling  # [B, kv_heads, group, T, L]
+        scores = scores.masked_fill(~meta.allowed, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, T, D]
+
+        out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_queries, layer.num_heads, dim)
+        return out[meta.query_valid].to(q.dtype)

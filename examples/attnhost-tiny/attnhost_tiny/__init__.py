@@ -1,0 +1,80 @@
+"""A complete attention backend in one class, registered by the one-line shorthand.
+
+The entry point names this class, so discovery (``attnhost list``) imports
+this module. It must therefore not import torch at module level: torch is
+imported inside the methods that run attention, and named for type checkers
+only under ``TYPE_CHECKING``. Subclassing ``attnhost.AttentionBackend`` is
+free — attnhost keeps that module torch-free for exactly this reason.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from attnhost import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    import torch
+
+    from attnhost import ForwardBatch
+
+__all__ = ["TinyAttnBackend"]
+
+
+class TinyAttnBackend(AttentionBackend):
+    """Per-request einsum attention in float32, in about forty lines (example plugin)."""
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Nothing to precompute: every layer reads the slot table directly."""
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool,
+    ) -> torch.Tensor:
+        import torch  # here, not at module level: `attnhost list` imports this module
+
+        pool = forward_batch.kv_pool
+        if save_kv_cache:
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        group = layer.num_heads // layer.num_kv_heads
+        q = q.view(-1, layer.num_heads, layer.head_dim)
+        out = torch.empty_like(q)
+        for i in range(forward_batch.batch_size):
+            start, new = forward_batch.extend_start_loc_cpu[i], forward_batch.extend_seq_lens_cpu[i]
+            prefix, seq_len = forward_batch.prefix_lens_cpu[i], forward_batch.seq_lens_cpu[i]
+            slots = pool.req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+            keys = pool.k_buffer(layer.layer_id)[slots].float().repeat_interleave(group, dim=1)
+            values = pool.v_buffer(layer.layer_id)[slots].float().repeat_interleave(group, dim=1)
+            scores = torch.einsum("thd,shd->hts", q[start : start + new].float(), keys) * layer.scaling
+            # new token t sits at position prefix + t and sees keys 0..prefix + t
+            visible = torch.arange(seq_len, device=q.device) <= prefix + torch.arange(new, device=q.device)[:, None]
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            out[start : start + new] = torch.einsum("hts,shd->thd", weights, values).to(q.dtype)
+        return out

@@ -1,0 +1,387 @@
+"""The conformance kit (``attnhost.testing``): it passes correct backends and catches subtly wrong ones.
+
+The wrong backends are real installed distributions (written by ``distgen``)
+and the kit runs against them the way a plugin author runs it: ``pytest`` in
+a fresh interpreter, on a test file that only subclasses ``BackendConformance``,
+or with ``pytest --attnhost-backend NAME`` and no test file at all. The
+outcome is read from JUnit XML, so each assertion is about *which* test
+failed and *what its message says*.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from distgen import make_dist
+from helpers import GROUP, run_python, subprocess_env
+
+from attnhost.testing import BackendConformance
+
+
+class TestTorchNativeConformance(BackendConformance):
+    """The kit in-process against the built-in backend (target-only, so the draft test is skipped)."""
+
+    backend_name = "torch_native"
+    expect_draft = False
+
+
+# -- subtly wrong backends, as installed distributions ------------------------------
+
+_PLUGIN = '''\
+"""Hooks only: discovery must stay cheap."""
+from attnhost import BackendSpec, hookimpl
+
+NAMES = ("correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global")
+_CLASSES = ("Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal")
+
+
+@hookimpl
+def attnhost_attention_backends():
+    return [
+        BackendSpec(name=n, factory=f"attnhost_broken.impl:{c}", requires=("torch",), description=f"test backend {n}")
+        for n, c in zip(NAMES, _CLASSES)
+    ]
+
+
+@hookimpl
+def attnhost_draft_attention_backends():
+    return list(NAMES)
+'''
+
+_IMPL = '''\
+"""One loop-based backend with switches for the bugs the kit must catch."""
+import torch
+
+from attnhost import AttentionBackend
+
+_LAST_BUILT = None
+
+
+class Correct(AttentionBackend):
+    """A correct per-request backend."""
+
+    scale = 1.0
+    roll_slots = False
+    prefix_offset = True
+
+    def init_forward_metadata(self, forward_batch):
+        pass
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def _attend(self, q, k, v, layer, fb, save_kv_cache):
+        pool = fb.kv_pool
+        if save_kv_cache:
+            loc = fb.out_cache_loc.roll(1) if self.roll_slots else fb.out_cache_loc
+            pool.set_kv(layer.layer_id, loc, k, v)
+        group = layer.num_heads // layer.num_kv_heads
+        out = torch.empty_like(q)
+        for i in range(fb.batch_size):
+            start, new, prefix = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i], fb.prefix_lens_cpu[i]
+            slots = pool.req_to_token[fb.req_pool_indices[i], : fb.seq_lens_cpu[i]]
+            keys = pool.k_buffer(layer.layer_id)[slots].double().repeat_interleave(group, dim=1)
+            values = pool.v_buffer(layer.layer_id)[slots].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("thd,shd->hts", q[start : start + new].double(), keys) * layer.scaling
+            offset = prefix if self.prefix_offset else 0
+            visible = torch.arange(len(slots)) <= offset + torch.arange(new)[:, None]
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out[start : start + new] = (torch.einsum("hts,shd->thd", weights, values) * self.scale).to(q.dtype)
+        return out
+
+
+class OffByAThousandth(Correct):
+    scale = 1.001
+
+
+class WrongSlot(Correct):
+    roll_slots = True
+
+
+class NoPrefixOffset(Correct):
+    prefix_offset = False
+
+
+class LeakyGlobal(Correct):
+    def __init__(self, runner=None):
+        super().__init__(runner)
+        global _LAST_BUILT
+        _LAST_BUILT = self
+'''
+
+_EAGER = '''\
+"""A correct shorthand backend whose module imports torch at discovery time."""
+import torch  # the mistake: `attnhost list` now pays for torch
+
+from attnhost_broken.impl import Correct
+
+
+class EagerBackend(Correct):
+    """Correct numerics, eager import."""
+'''
+
+_KIT_FILE = """\
+from attnhost.testing import BackendConformance
+
+
+class TestCorrect(BackendConformance):
+    backend_name = "correct"
+    expect_draft = True
+
+
+class TestOffByAThousandth(BackendConformance):
+    backend_name = "off_by_a_thousandth"
+
+
+class TestWrongSlot(BackendConformance):
+    backend_name = "wrong_slot"
+
+
+class TestNoPrefixOffset(BackendConformance):
+    backend_name = "no_prefix_offset"
+
+
+class TestLeakyGlobal(BackendConformance):
+    backend_name = "leaky_global"
+
+
+class TestEager(BackendConformance):
+    backend_name = "eager"
+"""
+
+# Every test of the kit, by the name pytest gives it (parametrized ones once per case).
+KIT_TESTS = (
+    "test_spec_name_and_description",
+    "test_spec_roles",
+    "test_spec_factory_importable_and_available",
+    "test_discovery_imports_neither_torch_nor_the_implementation",
+    "test_target_runner_builds_and_stamps_its_backend",
+    "test_draft_runner_builds_and_stamps_its_backend",
+    "test_extend_without_prefix",
+    "test_extend_with_cached_prefix",
+    "test_decode",
+    "test_batch_of_requests_with_different_lengths",
+    "test_head_layouts_mha_gqa_mqa[mha-4-4]",
+    "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
+    "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
+    "test_bfloat16",
+    "test_kv_lands_in_the_right_cache_slots",
+    "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
+    "test_idle_batch_gives_an_empty_output",
+    "test_runners_are_isolated",
+    "test_nothing_global_changes",
+)
+FLOAT32_NUMERICS = {
+    "test_extend_without_prefix",
+    "test_extend_with_cached_prefix",
+    "test_decode",
+    "test_batch_of_requests_with_different_lengths",
+    "test_head_layouts_mha_gqa_mqa[mha-4-4]",
+    "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
+    "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
+    "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # passed, failed, skipped, error
+    message: str
+
+
+def parse_junit(path: Path) -> dict[tuple[str, str], Outcome]:
+    """``{(class name, test name): outcome}`` from pytest's JUnit XML."""
+    results = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        status, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                status = {"failure": "failed"}.get(child.tag, child.tag)
+                message = child.get("message", "").removeprefix("Failed: ") + "\n" + (child.text or "")
+                break
+        results[(case.get("classname", "").rpartition(".")[2], case.get("name", ""))] = Outcome(status, message)
+    return results
+
+
+def run_pytest(
+    args: list[str], *, cwd: Path, path_entries: list[Path]
+) -> tuple[subprocess.CompletedProcess[str], dict[tuple[str, str], Outcome]]:
+    junit = cwd / "junit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={junit}", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(path_entries, {"XDG_CACHE_HOME": str(cwd / "xdg-cache")}),
+        timeout=300,
+    )
+    assert junit.exists(), proc.stdout + proc.stderr
+    return proc, parse_junit(junit)
+
+
+@pytest.fixture(scope="module")
+def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("broken-site")
+    make_dist(
+        site,
+        "attnhost-broken",
+        "0.1",
+        {GROUP: {"broken": "attnhost_broken"}},
+        modules={"attnhost_broken": _PLUGIN, "attnhost_broken.impl": _IMPL},
+    )
+    make_dist(
+        site,
+        "attnhost-eager",
+        "0.1",
+        {GROUP: {"eager": "attnhost_eager:EagerBackend"}},
+        modules={"attnhost_eager": _EAGER},
+    )
+    return site
+
+
+@pytest.fixture(scope="module")
+def kit_results(broken_site: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Outcome]:
+    """One pytest run of the kit against every broken backend (one run keeps torch's import cost single)."""
+    project = tmp_path_factory.mktemp("author-project")
+    (project / "test_kit.py").write_text(_KIT_FILE)
+    proc, results = run_pytest([], cwd=project, path_entries=[broken_site])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return results
+
+
+def outcomes(results: dict[tuple[str, str], Outcome], cls: str) -> dict[str, Outcome]:
+    mine = {name: outcome for (klass, name), outcome in results.items() if klass == cls}
+    assert set(mine) == set(KIT_TESTS), f"{cls} ran {sorted(mine)}"
+    return mine
+
+
+def failed(results: dict[str, Outcome]) -> set[str]:
+    return {name for name, outcome in results.items() if outcome.status != "passed"}
+
+
+def reported_error(message: str) -> float:
+    match = re.search(r"max abs error (\S+) exceeds", message)
+    assert match, message
+    return float(match.group(1))
+
+
+def test_kit_has_at_least_ten_tests() -> None:
+    names = [name for name in dir(BackendConformance) if name.startswith("test_")]
+    assert len(names) >= 10
+    assert {name.partition("[")[0] for name in KIT_TESTS} == set(names)
+
+
+def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    assert failed(outcomes(kit_results, "TestCorrect")) == set()
+
+
+def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestOffByAThousandth")
+    assert failed(results) == FLOAT32_NUMERICS  # bfloat16's tolerance rightly absorbs 0.1 %
+    for name in FLOAT32_NUMERICS:
+        message = results[name].message
+        assert "exceeds 1e-05 (float32" in message, message
+        assert 1e-4 < reported_error(message) < 1e-2, message
+    assert re.match(
+        r"extend without prefix: max abs error \S+ exceeds 1e-05 \(float32, 8 heads / 2 KV heads, "
+        r"layer 0, request \d, token \d+ of \d+, head \d\)",
+        results["test_extend_without_prefix"].message,
+    )
+
+
+def test_kit_fails_kv_written_to_the_wrong_slot(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestWrongSlot")
+    assert "test_kv_lands_in_the_right_cache_slots" in failed(results)
+    message = results["test_kv_lands_in_the_right_cache_slots"].message
+    assert re.search(
+        r"K/V cache after extend: layer 1 slot \d+ \(out_cache_loc of request 0, token 0\) does not hold "
+        r"that token's new K \(max abs diff \S+\); it holds new token 1's K",
+        message,
+    ), message
+    spec_and_wiring = {name for name in KIT_TESTS if name.startswith(("test_spec", "test_discovery", "test_target"))}
+    assert not failed(results) & spec_and_wiring
+
+
+def test_kit_fails_a_causal_mask_without_the_prefix_offset(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestNoPrefixOffset")
+    assert results["test_extend_without_prefix"].status == "passed"
+    for name in ("test_extend_with_cached_prefix", "test_decode", "test_bfloat16"):
+        assert results[name].status == "failed", name
+    assert results["test_extend_with_cached_prefix"].message.startswith("extend with cached prefix: max abs error")
+    assert results["test_decode"].message.startswith("decode step 0: max abs error")
+
+
+def test_kit_fails_a_backend_that_rebinds_module_globals(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestLeakyGlobal")
+    assert failed(results) == {"test_nothing_global_changes"}
+    message = results["test_nothing_global_changes"].message
+    assert "rebinds module globals of attnhost_broken.impl: _LAST_BUILT" in message, message
+
+
+def test_kit_fails_a_plugin_that_imports_torch_at_discovery(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestEager")
+    assert failed(results) == {"test_discovery_imports_neither_torch_nor_the_implementation"}
+    message = results["test_discovery_imports_neither_torch_nor_the_implementation"].message
+    assert "loading plugin 'eager' imports torch" in message, message
+    assert "attnhost_eager.py:2" in message, message  # the line that did it
+
+
+# -- the pytest plugin ------------------------------------------------------------------
+
+
+def test_pytest_option_runs_the_suite_in_an_empty_directory(broken_site: Path, tmp_path: Path) -> None:
+    proc, results = run_pytest(
+        ["--attnhost-backend", "no_prefix_offset", "-k", "extend_with or extend_without"],
+        cwd=tmp_path,
+        path_entries=[broken_site],
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert {name: o.status for (cls, name), o in results.items()} == {
+        "test_extend_without_prefix[no_prefix_offset]": "passed",
+        "test_extend_with_cached_prefix[no_prefix_offset]": "failed",
+    }
+    assert "extend with cached prefix: max abs error" in proc.stdout
+
+
+def test_pytest_option_with_paths_runs_both_and_reports_unknown_names(broken_site: Path, tmp_path: Path) -> None:
+    (tmp_path / "test_own.py").write_text("def test_own():\n    pass\n")
+    proc, results = run_pytest(
+        ["test_own.py", "--attnhost-backend", "correct,nope", "-k", "own or spec_name"],
+        cwd=tmp_path,
+        path_entries=[broken_site],
+    )
+    statuses = {name: o.status for (cls, name), o in results.items()}
+    assert statuses == {
+        "test_own": "passed",
+        "test_spec_name_and_description[correct]": "passed",
+        "test_spec_name_and_description[nope]": "error",  # the set-up fixture cannot find it
+    }, proc.stdout
+    assert (
+        "unknown attention backend 'nope'"
+        in results[("TestBackendConformance", "test_spec_name_and_description[nope]")].message
+    )
+
+
+def test_pytest_plugin_costs_nothing_without_the_option() -> None:
+    code = textwrap.dedent(
+        """
+        import json, sys
+        import attnhost.testing.pytest_plugin
+        heavy = ("torch", "attnhost.host", "attnhost.testing.conformance")
+        print(json.dumps(sorted(m for m in heavy if m in sys.modules)))
+        """
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []

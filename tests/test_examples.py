@@ -1,0 +1,140 @@
+"""The example plugins in ``examples/``, built as wheels and installed the way users install them.
+
+Each example is copied out of the tree (setuptools writes ``build/`` and
+``*.egg-info`` next to the sources), built with ``pip wheel`` and installed
+with ``pip install --no-deps --target`` into a directory that the
+subprocesses get on ``PYTHONPATH``: a real installed distribution, seen by
+``attnhost`` and by ``pytest`` exactly as after ``pip install``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import list_json, run_cli, run_python, subprocess_env
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# backend name -> (example directory, distribution, version, plugin name)
+BACKENDS = {
+    "batched_matmul": ("attnhost-batched", "attnhost-batched", "0.2.0", "batched"),
+    "tiny": ("attnhost-tiny", "attnhost-tiny", "0.1.0", "tiny"),
+}
+
+
+def _pip(*args: str, cwd: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", *args, "--no-deps", "--disable-pip-version-check", "--no-input", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env(env={"PIP_NO_INDEX": "1"}),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("example-sources")
+    ignore = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
+    for directory, *_ in BACKENDS.values():
+        shutil.copytree(EXAMPLES / directory, root / directory, ignore=ignore)
+    return root
+
+
+@pytest.fixture(scope="module")
+def site(sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Both examples built as wheels (one pip call) and installed into one target directory."""
+    wheels = tmp_path_factory.mktemp("wheels")
+    target = tmp_path_factory.mktemp("site")
+    _pip(
+        "wheel",
+        "--no-build-isolation",
+        "-w",
+        str(wheels),
+        *[str(sources / directory) for directory, *_ in BACKENDS.values()],
+        cwd=sources,
+    )
+    built = sorted(wheels.glob("*.whl"))
+    assert [w.name.split("-")[0] for w in built] == ["attnhost_batched", "attnhost_tiny"]
+    _pip("install", "--target", str(target), *map(str, built), cwd=wheels)
+    return target
+
+
+def test_list_shows_both_with_distribution_and_version(site: Path) -> None:
+    data = list_json([site])
+    backends: dict[str, dict[str, Any]] = {row["name"]: row for row in data["backends"]}
+    for name, (_, dist, version, plugin) in BACKENDS.items():
+        row = backends[name]
+        assert (row["distribution"], row["version"], row["plugin"]) == (dist, version, plugin)
+        assert row["roles"] == ["target", "draft"]
+        assert row["implemented"] and row["available"], row
+        assert row["description"]
+    assert (
+        backends["tiny"]["description"]
+        == "Per-request einsum attention in float32, in about forty lines (example plugin)."
+    )
+    plugins = {p["name"]: p["status"] for p in data["plugins"]}
+    assert plugins["batched"] == plugins["tiny"] == "loaded"
+    result = run_cli("list", "--draft", path_entries=[site])
+    assert result.returncode == 0, result.stderr
+    for name, (_, dist, version, _plugin) in BACKENDS.items():
+        line = next(line for line in result.stdout.splitlines() if line.startswith(name + " "))
+        assert f"{dist} {version}" in line
+
+
+def test_listing_imports_neither_torch_nor_a_kernel(site: Path) -> None:
+    code = (
+        "import io, json, sys\n"
+        "from attnhost.cli import main\n"
+        "assert main(['list'], out=io.StringIO()) == 0\n"
+        "print(json.dumps([m for m in ('torch', 'attnhost_batched.backend') if m in sys.modules]))\n"
+    )
+    result = run_python(code, path_entries=[site])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_resolve_accepts_them_as_draft_backends(site: Path, name: str) -> None:
+    result = run_cli("resolve", "--speculative-draft-attention-backend", name, "--json", path_entries=[site])
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["draft"] == name and not payload["draft_fell_back"]
+    assert payload["availability"]["draft"]["available"]
+    text = run_cli(
+        "resolve", "--attention-backend", name, "--speculative-draft-attention-backend", name, path_entries=[site]
+    )
+    assert text.returncode == 0, text.stderr
+    assert f"draft: '{name}' is draft-capable; using it" in text.stdout
+
+
+def _pytest(args: list[str], *, cwd: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env([site], {"XDG_CACHE_HOME": str(cwd / ".xdg-cache")}),
+        timeout=300,
+    )
+
+
+def test_examples_own_test_suites_pass(site: Path, sources: Path) -> None:
+    """What each example's author runs in CI: `pytest` in the package, one subclass of the kit."""
+    proc = _pytest([f"{d}/tests" for d, *_ in BACKENDS.values()], cwd=sources, site=site)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("38 passed"), summary  # 19 kit tests each, none skipped
+
+
+def test_pytest_option_runs_the_kit_against_both_without_a_test_file(site: Path, tmp_path: Path) -> None:
+    proc = _pytest(["--attnhost-backend", "batched_matmul", "--attnhost-backend", "tiny"], cwd=tmp_path, site=site)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith("38 passed"), proc.stdout
