@@ -9,6 +9,7 @@ noise of that figure on this machine at that moment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -93,9 +94,7 @@ class Row:
         return data
 
 
-def interleaved(
-    subjects: dict[str, Callable[[], float | None]], rounds: int, warmup: int = 1
-) -> dict[str, Stats]:
+def interleaved(subjects: dict[str, Callable[[], float | None]], rounds: int, warmup: int = 1) -> dict[str, Stats]:
     """Run every subject once per round, in turn; each call returns its own timing or None to be timed here."""
     samples: dict[str, list[float]] = {name: [] for name in subjects}
     for index in range(warmup + rounds):
@@ -133,10 +132,8 @@ def machine() -> dict[str, Any]:
     }
     for dist in ("attnhost", "pluggy", "stevedore", "torch"):
         info[dist] = _version(dist)
-    try:
+    with contextlib.suppress(OSError):
         info["loadavg_at_start"] = os.getloadavg()
-    except OSError:
-        pass
     return info
 
 

@@ -104,7 +104,6 @@ def _record_sdpa(forward: Callable[[], object]) -> list[tuple[tuple[Any, ...], d
 
 def run(rounds: int, quick: bool, threads: int | None) -> list[Row]:
     import torch
-    import torch.nn.functional as F
 
     torch.set_grad_enabled(False)
     default_threads = torch.get_num_threads()
@@ -117,47 +116,47 @@ def run(rounds: int, quick: bool, threads: int | None) -> list[Row]:
 
 
 def _run(rounds: int, quick: bool, threads: int) -> list[Row]:
+    return [_measure(rounds, threads, *case) for case in _cases(quick)]
+
+
+def _measure(
+    rounds: int, threads: int, label: str, mode: str, n_req: int, prefix: int, new: int, contiguous: bool
+) -> Row:
     import torch.nn.functional as F
 
     sdpa = F.scaled_dot_product_attention
-    rows = []
-    for label, mode, n_req, prefix, new, contiguous in _cases(quick):
-        runner, batch, q, k, v, plan_seconds = _setup(mode, n_req, prefix, new, contiguous)
-        backend, layer = runner.attn_backend, runner.layers[0]
+    runner, batch, q, k, v, plan_seconds = _setup(mode, n_req, prefix, new, contiguous)
+    backend, layer = runner.attn_backend, runner.layers[0]
 
-        def through_runner() -> object:
-            with runner.forward_context():
-                return backend.forward(q, k, v, layer, batch)
+    def through_runner() -> object:
+        with runner.forward_context():
+            return backend.forward(q, k, v, layer, batch)
 
-        calls = _record_sdpa(through_runner)
+    calls = _record_sdpa(through_runner)
 
-        def direct() -> None:
-            for args, kwargs in calls:
-                sdpa(*args, **kwargs)
+    def direct() -> None:
+        for args, kwargs in calls:
+            sdpa(*args, **kwargs)
 
-        number = max(1, int(0.05 / _once(through_runner)))
-        stats = interleaved({"runner": per_call(through_runner, number), "direct": per_call(direct, number)}, rounds)
-        rows.append(
-            Row(
-                section="attention overhead",
-                case=label,
-                candidate="runner torch_native forward (1 layer)",
-                value=stats["runner"].median * 1e6,
-                baseline=f"the same {len(calls)} SDPA call(s) on the same tensors",
-                baseline_value=stats["direct"].median * 1e6,
-                unit="us",
-                spread=stats["runner"].spread,
-                baseline_spread=stats["direct"].spread,
-                n=stats["runner"].n,
-                target="ratio <= 1.05",
-                max_ratio=1.05,
-                notes=[
-                    f"torch threads: {threads}; init_forward_metadata (once per batch, all layers): "
-                    f"{plan_seconds * 1e6:.0f} us"
-                ],
-            )
-        )
-    return rows
+    number = max(1, int(0.05 / _once(through_runner)))
+    stats = interleaved({"runner": per_call(through_runner, number), "direct": per_call(direct, number)}, rounds)
+    return Row(
+        section="attention overhead",
+        case=label,
+        candidate="runner torch_native forward (1 layer)",
+        value=stats["runner"].median * 1e6,
+        baseline=f"the same {len(calls)} SDPA call(s) on the same tensors",
+        baseline_value=stats["direct"].median * 1e6,
+        unit="us",
+        spread=stats["runner"].spread,
+        baseline_spread=stats["direct"].spread,
+        n=stats["runner"].n,
+        target="ratio <= 1.05",
+        max_ratio=1.05,
+        notes=[
+            f"torch threads: {threads}; init_forward_metadata (once per batch, all layers): {plan_seconds * 1e6:.0f} us"
+        ],
+    )
 
 
 def _once(fn: Callable[[], object]) -> float:
@@ -165,4 +164,3 @@ def _once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return max(time.perf_counter() - start, 1e-6)
-

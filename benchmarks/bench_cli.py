@@ -23,7 +23,7 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-from _common import GROUP, Row, interleaved
+from _common import GROUP, Row, interleaved, settle_environment
 
 FLOOR_CODE = f"import importlib.metadata as m; m.entry_points(group={GROUP!r})"
 
@@ -59,8 +59,11 @@ def _check(argv: list[str], env: dict[str, str], cwd: Path, expect_plugins: int)
     loaded = [p for p in json.loads(out)["plugins"] if p["status"] == "loaded" and not p["builtin"]]
     if len(loaded) != expect_plugins:
         raise RuntimeError(f"attnhost list loaded {len(loaded)} third-party plugins, expected {expect_plugins}")
+    # The same sys.path as the measured command (a script's own directory first), so the same cache file.
+    first = os.path.dirname(argv[1]) if argv[1] != "-m" else str(cwd)
     probe = (
-        "from attnhost import entry_points as e; e.scan(%r); s = e.scan_stats(); print(s['cache_hits'])" % GROUP
+        f"import sys; sys.path[0] = {first!r}; from attnhost import entry_points as e; "
+        f"e.scan({GROUP!r}); print(e.scan_stats()['cache_hits'])"
     )
     hits = subprocess.run([sys.executable, "-c", probe], env=env, cwd=cwd, capture_output=True, text=True)
     if hits.stdout.strip() != "1":
@@ -71,13 +74,11 @@ def _check(argv: list[str], env: dict[str, str], cwd: Path, expect_plugins: int)
     return notes
 
 
-def run(
-    rounds: int, workdir: Path, synthetic: Path | None, n_dists: int, n_plugins: int
-) -> list[Row]:
-    rows = []
+def run(rounds: int, workdir: Path, synthetic: Path | None, n_dists: int, n_plugins: int) -> list[Row]:
+    rows: list[Row] = []
     attnhost_argv, label = _attnhost_command()
     cwd = workdir / "cwd"
-    environments = [("current environment", None, 0)]
+    environments: list[tuple[str, Path | None, int]] = [("current environment", None, 0)]
     if synthetic is not None:
         environments.append((f"{n_dists} dists / {n_plugins} plugins", synthetic, n_plugins))
     for case, pythonpath, expect in environments:
@@ -86,6 +87,11 @@ def run(
         floor = [sys.executable, "-c", FLOOR_CODE]
         module_argv = [sys.executable, "-m", "attnhost", "list", "--json"]
         for argv in (floor, attnhost_argv, module_argv, floor, attnhost_argv, module_argv):
+            subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        # The first runs wrote bytecode (plugins' __pycache__ inside the synthetic site-packages): wait
+        # until that is older than the cache's racy window, then let attnhost write its cache.
+        settle_environment()
+        for argv in (attnhost_argv, module_argv):
             subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
         notes = _check(attnhost_argv, env, cwd, expect)
         uncached_env = dict(env, ATTNHOST_NO_CACHE="1")

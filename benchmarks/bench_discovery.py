@@ -28,8 +28,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from _common import GROUP, Row, Stats, interleaved, per_call, stable_base_path
+
+if TYPE_CHECKING:
+    from attnhost.settings import LoadSettings
 
 
 def _stevedore(xdg: Path) -> tuple[Callable[[], object], Callable[[], object]] | None:
@@ -57,13 +61,6 @@ def _stevedore(xdg: Path) -> tuple[Callable[[], object], Callable[[], object]] |
 
 
 def run(rounds: int, workdir: Path, environments: dict[int, Path]) -> list[Row]:
-    import importlib.metadata as metadata
-
-    import pluggy
-
-    from attnhost import entry_points
-    from attnhost.discovery import GuardedPluginManager, load_entry_points
-    from attnhost.hooks import PROJECT_NAME, AttnhostHookSpecs
     from attnhost.settings import LoadSettings
 
     xdg = workdir / "xdg-discovery"
@@ -75,75 +72,103 @@ def run(rounds: int, workdir: Path, environments: dict[int, Path]) -> list[Row]:
     rows: list[Row] = []
     try:
         for n_dists, root in sorted(environments.items()):
-            path = [str(root), *stable_base_path()]
-            sys.path[:] = path
-            importlib.invalidate_caches()
-            n_plugins = sum(1 for r in entry_points.scan(GROUP, path=path, use_cache=False) if r.location == str(root))
-            case = f"{n_dists} dists / {n_plugins} plugins"
-
-            def uncached() -> object:
-                return entry_points.scan(GROUP, path=path, use_cache=False)
-
-            def cached() -> object:
-                entry_points.clear_memo()
-                return entry_points.scan(GROUP, path=path, use_cache=True)
-
-            def memo() -> object:
-                return entry_points.scan(GROUP, path=path, use_cache=True)
-
-            def host(use_cache: bool) -> Callable[[], object]:
-                def discover() -> object:
-                    entry_points.clear_memo()
-                    pm = GuardedPluginManager(lambda: False, lambda: None)
-                    records = entry_points.scan(GROUP, path=path, use_cache=use_cache)
-                    return load_entry_points(pm, records, settings)
-
-                return discover
-
-            def pluggy_load() -> object:
-                pm = pluggy.PluginManager(PROJECT_NAME)
-                pm.add_hookspecs(AttnhostHookSpecs)
-                return pm.load_setuptools_entrypoints(GROUP)
-
-            def importlib_find() -> object:
-                return metadata.entry_points(group=GROUP)
-
-            # Prime: plugin modules imported, both caches written, and the attnhost cache verified.
-            host(True)()
-            pluggy_load()
-            entry_points.clear_memo()
-            entry_points.reset_scan_stats()
-            cached()
-            engaged = entry_points.scan_stats()["cache_hits"] == 1
-            notes = [] if engaged else ["attnhost's cache did not engage (environment changed < 3 s ago)"]
-            number = 3 if n_dists >= 1000 else 10
-            find_subjects: dict[str, Callable[[], float | None]] = {
-                "uncached": per_call(uncached, number),
-                "cached": per_call(cached, number),
-                "memo": per_call(memo, number),
-                "importlib": per_call(importlib_find, number),
-            }
-            load_subjects: dict[str, Callable[[], float | None]] = {
-                "host_uncached": per_call(host(False), number),
-                "host_cached": per_call(host(True), number),
-                "pluggy": per_call(pluggy_load, number),
-            }
-            if stevedore is not None:
-                stevedore[0]()
-                stevedore[1]()
-                find_subjects["stevedore"] = per_call(stevedore[0], number)
-                load_subjects["stevedore"] = per_call(stevedore[1], number)
-            find = interleaved(find_subjects, rounds)
-            load = interleaved(load_subjects, rounds)
-            rows += _rows(case, find, load, notes, stevedore is not None)
+            rows += _measure(rounds, n_dists, root, stevedore, settings)
     finally:
         sys.path[:] = saved_path
         importlib.invalidate_caches()
     return rows
 
 
-def _row(section: str, case: str, stats: dict[str, Stats], key: str, label: str, base: str, base_label: str,
-         max_ratio: float | None = None, target: str | None = None, notes: list[str] | None = None) -> Row:
+def _measure(
+    rounds: int,
+    n_dists: int,
+    root: Path,
+    stevedore: tuple[Callable[[], object], Callable[[], object]] | None,
+    settings: LoadSettings,
+) -> list[Row]:
+    import importlib.metadata as metadata
+
+    import pluggy
+
+    from attnhost import entry_points
+    from attnhost.discovery import GuardedPluginManager, load_entry_points
+    from attnhost.hooks import PROJECT_NAME, AttnhostHookSpecs
+
+    path = [str(root), *stable_base_path()]
+    sys.path[:] = path
+    importlib.invalidate_caches()
+    n_plugins = sum(1 for r in entry_points.scan(GROUP, path=path, use_cache=False) if r.location == str(root))
+    case = f"{n_dists} dists / {n_plugins} plugins"
+
+    def uncached() -> object:
+        return entry_points.scan(GROUP, path=path, use_cache=False)
+
+    def cached() -> object:
+        entry_points.clear_memo()
+        return entry_points.scan(GROUP, path=path, use_cache=True)
+
+    def memo() -> object:
+        return entry_points.scan(GROUP, path=path, use_cache=True)
+
+    def host(use_cache: bool) -> Callable[[], object]:
+        def discover() -> object:
+            entry_points.clear_memo()
+            pm = GuardedPluginManager(lambda: False, lambda: None)
+            records = entry_points.scan(GROUP, path=path, use_cache=use_cache)
+            return load_entry_points(pm, records, settings)
+
+        return discover
+
+    def pluggy_load() -> object:
+        pm = pluggy.PluginManager(PROJECT_NAME)
+        pm.add_hookspecs(AttnhostHookSpecs)
+        return pm.load_setuptools_entrypoints(GROUP)
+
+    def importlib_find() -> object:
+        return metadata.entry_points(group=GROUP)
+
+    # Prime: plugin modules imported, both caches written, and the attnhost cache verified.
+    host(True)()
+    pluggy_load()
+    entry_points.clear_memo()
+    entry_points.reset_scan_stats()
+    cached()
+    engaged = entry_points.scan_stats()["cache_hits"] == 1
+    notes = [] if engaged else ["attnhost's cache did not engage (environment changed < 3 s ago)"]
+    number = 3 if n_dists >= 1000 else 10
+    find_subjects: dict[str, Callable[[], float | None]] = {
+        "uncached": per_call(uncached, number),
+        "cached": per_call(cached, number),
+        "memo": per_call(memo, number),
+        "importlib": per_call(importlib_find, number),
+    }
+    load_subjects: dict[str, Callable[[], float | None]] = {
+        "host_uncached": per_call(host(False), number),
+        "host_cached": per_call(host(True), number),
+        "pluggy": per_call(pluggy_load, number),
+    }
+    if stevedore is not None:
+        stevedore[0]()
+        stevedore[1]()
+        find_subjects["stevedore"] = per_call(stevedore[0], number)
+        load_subjects["stevedore"] = per_call(stevedore[1], number)
+    find = interleaved(find_subjects, rounds)
+    load = interleaved(load_subjects, rounds)
+    return _rows(case, find, load, notes, stevedore is not None)
+
+
+def _row(
+    section: str,
+    case: str,
+    stats: dict[str, Stats],
+    key: str,
+    label: str,
+    base: str,
+    base_label: str,
+    max_ratio: float | None = None,
+    target: str | None = None,
+    notes: list[str] | None = None,
+) -> Row:
     return Row(
         section=section,
         case=case,
@@ -167,27 +192,86 @@ def _rows(
     big = case.startswith("1000 ")
     find_section, load_section = "discovery: find", "discovery: find+import+register"
     rows = [
-        _row(find_section, case, find, "cached", "attnhost scan, cached", "uncached", "attnhost scan, uncached",
-             1 / 3 if big else None, "ratio <= 0.33 (3x faster)" if big else None, notes),
+        _row(
+            find_section,
+            case,
+            find,
+            "cached",
+            "attnhost scan, cached",
+            "uncached",
+            "attnhost scan, uncached",
+            1 / 3 if big else None,
+            "ratio <= 0.33 (3x faster)" if big else None,
+            notes,
+        ),
         _row(find_section, case, find, "memo", "attnhost scan, in-process memo", "uncached", "attnhost scan, uncached"),
-        _row(find_section, case, find, "uncached", "attnhost scan, uncached", "importlib",
-             "importlib.metadata.entry_points(group=)"),
+        _row(
+            find_section,
+            case,
+            find,
+            "uncached",
+            "attnhost scan, uncached",
+            "importlib",
+            "importlib.metadata.entry_points(group=)",
+        ),
     ]
     if have_stevedore:
-        rows.append(_row(find_section, case, find, "cached", "attnhost scan, cached", "stevedore",
-                         "stevedore cache get_group_all, cached"))
+        rows.append(
+            _row(
+                find_section,
+                case,
+                find,
+                "cached",
+                "attnhost scan, cached",
+                "stevedore",
+                "stevedore cache get_group_all, cached",
+            )
+        )
     rows += [
-        _row(load_section, case, load, "host_cached", "attnhost discovery, cached", "host_uncached",
-             "attnhost discovery, uncached"),
-        _row(load_section, case, load, "host_cached", "attnhost discovery, cached", "pluggy",
-             "pluggy load_setuptools_entrypoints"),
+        _row(
+            load_section,
+            case,
+            load,
+            "host_cached",
+            "attnhost discovery, cached",
+            "host_uncached",
+            "attnhost discovery, uncached",
+        ),
+        _row(
+            load_section,
+            case,
+            load,
+            "host_cached",
+            "attnhost discovery, cached",
+            "pluggy",
+            "pluggy load_setuptools_entrypoints",
+        ),
     ]
     if have_stevedore:
-        rows.append(_row(load_section, case, load, "host_cached", "attnhost discovery, cached", "stevedore",
-                         "stevedore ExtensionManager, cached", 1.0 if big else None,
-                         "ratio <= 1.0" if big else None))
+        rows.append(
+            _row(
+                load_section,
+                case,
+                load,
+                "host_cached",
+                "attnhost discovery, cached",
+                "stevedore",
+                "stevedore ExtensionManager, cached",
+                1.0 if big else None,
+                "ratio <= 1.0" if big else None,
+            )
+        )
     else:
-        rows.append(Row(load_section, case, "attnhost discovery, cached", load["host_cached"].median * 1e3,
-                        "stevedore ExtensionManager (not installed: pip install -r benchmarks/requirements.txt)",
-                        float("nan"), "ms", notes=["stevedore is not installed; comparison skipped"]))
+        rows.append(
+            Row(
+                load_section,
+                case,
+                "attnhost discovery, cached",
+                load["host_cached"].median * 1e3,
+                "stevedore ExtensionManager (not installed: pip install -r benchmarks/requirements.txt)",
+                float("nan"),
+                "ms",
+                notes=["stevedore is not installed; comparison skipped"],
+            )
+        )
     return rows

@@ -46,7 +46,9 @@ def get_global_server_args() -> _SeedArgs:
     return _GLOBAL_SERVER_ARGS
 
 
-def _make_seed_dispatch(get_backend: Callable[[], Any], handlers: dict[str, Callable[..., Any]]) -> Callable[[Any], Any]:
+def _make_seed_dispatch(
+    get_backend: Callable[[], Any], handlers: dict[str, Callable[..., Any]]
+) -> Callable[[Any], Any]:
     def _seed_dispatch(forward_mode: Any) -> Any:
         args = get_global_server_args()
         prefill, decode = args.get_attention_backends()
@@ -59,7 +61,7 @@ def _make_seed_dispatch(get_backend: Callable[[], Any], handlers: dict[str, Call
             name = decode_str if args.speculative_attention_mode == "decode" else prefill_str
         else:
             name = prefill_str
-        return handlers[name]
+        return handlers[name]  # type: ignore[index]  # the seed indexes with str | None too
 
     return _seed_dispatch
 

@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _common import Row, machine, make_synthetic_environment, settle_environment
+from _common import Row, machine, make_synthetic_environment, settle_environment  # noqa: E402 - needs sys.path
 
 SECTIONS = ("cli", "discovery", "dispatch", "attention")
 
@@ -37,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and cases (a smoke run, noisier)")
     parser.add_argument(
-        "--json", metavar="PATH", default=str(HERE / "results.json"), help="where to write the figures (JSON)"
+        "--json",
+        metavar="PATH",
+        default=str(HERE / "results" / "latest.json"),
+        help="where to write the figures (JSON)",
     )
     parser.add_argument("--only", metavar="LIST", default=",".join(SECTIONS), help="comma-separated sections")
     parser.add_argument(
@@ -55,8 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
     quick = options.quick
-    rounds = {"cli": 9 if quick else 25, "discovery": 7 if quick else 21, "dispatch": 7 if quick else 21,
-              "attention": 5 if quick else 15}
+    rounds = {
+        "cli": 9 if quick else 25,
+        "discovery": 7 if quick else 21,
+        "dispatch": 7 if quick else 21,
+        "attention": 5 if quick else 15,
+    }
 
     notes: list[str] = [
         "CLI subprocesses run with PYTHONDONTWRITEBYTECODE removed and bytecode warmed first "
@@ -64,13 +71,19 @@ def main(argv: list[str] | None = None) -> int:
     ]
     workdir = Path(tempfile.mkdtemp(prefix="attnhost-bench-"))
     info = machine()
-    print(f"attnhost benchmarks ({'quick' if quick else 'full'}) on {info['cpu_model']}, {info['cpu_count']} CPU(s), "
-          f"Python {info['python']}, torch {info['torch']}, pluggy {info['pluggy']}, stevedore {info['stevedore']}",
-          flush=True)
+    print(
+        f"attnhost benchmarks ({'quick' if quick else 'full'}) on {info['cpu_model']}, {info['cpu_count']} CPU(s), "
+        f"Python {info['python']}, torch {info['torch']}, pluggy {info['pluggy']}, stevedore {info['stevedore']}",
+        flush=True,
+    )
     if info["stevedore"] is None:
-        notes.append("stevedore is not installed: its comparisons are skipped (pip install -r benchmarks/requirements.txt)")
-        print("note: stevedore is not installed; its rows are skipped "
-              "(pip install -r benchmarks/requirements.txt)", flush=True)
+        notes.append(
+            "stevedore is not installed: its comparisons are skipped (pip install -r benchmarks/requirements.txt)"
+        )
+        print(
+            "note: stevedore is not installed; its rows are skipped (pip install -r benchmarks/requirements.txt)",
+            flush=True,
+        )
     rows: list[Row] = []
     started = time.perf_counter()
     try:
@@ -142,19 +155,21 @@ def print_table(rows: list[Row]) -> None:
     header = ["section", "case", "attnhost", "figure", "±", "baseline", "figure", "±", "ratio", "target", "met"]
     table = [header]
     for row in rows:
-        table.append([
-            row.section,
-            row.case,
-            row.candidate,
-            _figure(row.value, row.unit),
-            f"{row.spread * 100:.0f}%",
-            row.baseline,
-            _figure(row.baseline_value, row.unit),
-            f"{row.baseline_spread * 100:.0f}%" if not math.isnan(row.baseline_value) else "",
-            f"{row.ratio:.2f}" if not math.isnan(row.baseline_value) else "-",
-            row.target or "",
-            {True: "yes", False: "NO", None: ""}[row.met],
-        ])
+        table.append(
+            [
+                row.section,
+                row.case,
+                row.candidate,
+                _figure(row.value, row.unit),
+                f"{row.spread * 100:.0f}%",
+                row.baseline,
+                _figure(row.baseline_value, row.unit),
+                f"{row.baseline_spread * 100:.0f}%" if not math.isnan(row.baseline_value) else "",
+                f"{row.ratio:.2f}" if not math.isnan(row.baseline_value) else "-",
+                row.target or "",
+                {True: "yes", False: "NO", None: ""}[row.met],
+            ]
+        )
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for index, line in enumerate(table):
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())

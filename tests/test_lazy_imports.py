@@ -33,9 +33,8 @@ def imported_modules(*args: str) -> list[str]:
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    return [
-        line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
-    ][1:]  # the first line is the column header
+    lines = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return [line.rpartition("|")[2].strip() for line in lines[1:]]  # the first line is the column header
 
 
 @pytest.mark.parametrize("argv", [["list"], ["list", "--json"], ["list", "--draft"], ["plugins"]])
@@ -125,7 +124,7 @@ def test_abbreviated_flag_still_works_through_argparse() -> None:
     [
         {},
         [],
-        {"a": [], "b": {}, "c": [1, -2, "x\u00e9\n\"\\", None, True, False, {"d": (1, 2)}]},
+        {"a": [], "b": {}, "c": [1, -2, 'x\u00e9\n"\\', None, True, False, {"d": (1, 2)}]},
         "plain",
         0,
         None,

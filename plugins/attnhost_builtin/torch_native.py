@@ -248,6 +248,13 @@ def _attend_request(
     if k_h.dtype != q.dtype:
         k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
     folds, is_causal, mask = req.recipe(group, q.device)
+    if folds and req.q_len == 1:
+        # One query token (decode): the folded [kv_heads, group, dim] layout is q's own memory
+        # order (head = kv_head * group + g), so a view replaces the transpose-and-copy below.
+        o = F.scaled_dot_product_attention(
+            q.reshape(1, layer.num_kv_heads, group, layer.head_dim), k_h, v_h, attn_mask=mask, scale=layer.scaling
+        )
+        return o.reshape(1, layer.num_heads, layer.head_dim)
     q_h = q.transpose(0, 1).unsqueeze(0)  # [1, heads, tokens, dim]
     if folds:
         folded = q_h.reshape(1, layer.num_kv_heads, group * req.q_len, layer.head_dim)
