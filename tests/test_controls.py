@@ -105,6 +105,12 @@ def test_strict_mode_fails_the_cli_naming_every_failed_plugin(tmp_path: Path, si
     assert "plugin 'broken_one' (distribution broken-one 0.1): importing 'broken_one' raised ImportError" in error[0]
     assert "plugin 'broken_two' (distribution broken-two 0.2)" in error[0]
     assert "plugin 'alpha' (distribution zz-alpha-clone 9.9)" in error[0]  # a duplicate counts too
+    # `plugins` still prints its report (it is the debugging command), then fails the same way.
+    shown = run_cli("plugins", path_entries=[site], env={"ATTNHOST_STRICT": "1", "MARKER": str(site.parent / "m")})
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    assert "broken_one" in shown.stdout and "failed" in shown.stdout
+    assert shown.stderr.strip().splitlines()[-1].startswith("attnhost: error: ATTNHOST_STRICT=1")
+    assert "Traceback" not in shown.stderr
     # Without strict mode the same environment is only warnings.
     data, _, _ = _run(site, "list")
     assert data is not None

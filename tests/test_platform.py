@@ -53,9 +53,10 @@ def test_detects_from_build_metadata_without_importing_torch(tmp_path: Path, fla
 
 def test_env_and_flag_override_detection(tmp_path: Path) -> None:
     site = _fake_torch(tmp_path / "site", cuda="'12.8'")
-    assert json.loads(run_cli("list", "--json", path_entries=[site], env={"ATTNHOST_PLATFORM": "rocm"}).stdout)[
-        "platform"
-    ] == "rocm"
+    assert (
+        json.loads(run_cli("list", "--json", path_entries=[site], env={"ATTNHOST_PLATFORM": "rocm"}).stdout)["platform"]
+        == "rocm"
+    )
     assert json.loads(run_cli("list", "--json", "--platform", "xpu", path_entries=[site]).stdout)["platform"] == "xpu"
 
 

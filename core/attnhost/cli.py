@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from typing import TypeAlias
 
+    from attnhost.discovery import PluginInfo
+
     Args: TypeAlias = argparse.Namespace | SimpleNamespace
 
 __all__ = ["main"]
@@ -239,10 +241,22 @@ def _cmd_list(args: Args, out: TextIO) -> int:
 
 
 def _cmd_plugins(args: Args, out: TextIO) -> int:
+    """Show every plugin, even in strict mode: this is the command for debugging a failure.
+
+    Under ``ATTNHOST_STRICT=1`` the report is printed first and the strict
+    error (naming every failed plugin) then ends the command with status 1.
+    """
     from attnhost.host import default_host
 
-    plugins = default_host().plugins()
-    if args.json:
+    host = default_host()
+    plugins = host.plugins()
+    status = _print_plugins(plugins, args.json, out)
+    host.registry()  # raises PluginLoadError under ATTNHOST_STRICT=1 if any plugin failed
+    return status
+
+
+def _print_plugins(plugins: Sequence[PluginInfo], as_json: bool, out: TextIO) -> int:
+    if as_json:
         out.write(_dumps({"plugins": [p.to_json() for p in plugins]}) + "\n")
         return EXIT_OK
     table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT / ERROR"]]

@@ -55,12 +55,20 @@ class _RequestPlan:
     recipes: dict[int, tuple[bool, bool, torch.Tensor | None]] = field(default_factory=dict)
     """(folds, is_causal, mask) by GQA group size: decided on the first layer, reused by the rest."""
 
-    def keys(self, buffer: torch.Tensor) -> torch.Tensor:
-        """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer."""
+    def keys(self, buffer: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+        """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer.
+
+        A contiguous request is a zero-copy view. A fragmented one is gathered
+        into ``scratch``: one tensor per batch, reused by every request in
+        turn and by every layer, so it stays hot in cache and no multi-MB
+        allocation (page faults) happens per request per layer.
+        """
         if self.kv_run is not None:
             return buffer[self.kv_run[0] : self.kv_run[1]]
         assert self.kv_index is not None
-        return buffer.index_select(0, self.kv_index)
+        if scratch is None:
+            return buffer.index_select(0, self.kv_index)
+        return torch.index_select(buffer, 0, self.kv_index, out=scratch[: self.seq_len])
 
     def uses_is_causal(self, group: int) -> bool:
         """Whether SDPA's top-left ``is_causal`` is exact here (square, no prefix) and cheaper."""
@@ -106,6 +114,19 @@ class _RequestPlan:
 class _BatchPlan:
     batch: ForwardBatch
     requests: list[_RequestPlan]
+    scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
+    """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
+
+    def gather_scratch(self, buffer: torch.Tensor, role: int) -> torch.Tensor | None:
+        """A tensor big enough for the longest fragmented request's rows, or None if none is fragmented."""
+        longest = max((req.seq_len for req in self.requests if req.kv_run is None), default=0)
+        if not longest:
+            return None
+        key = (role, buffer.dtype, buffer.device, tuple(buffer.shape[1:]))
+        scratch = self.scratch.get(key)
+        if scratch is None:
+            scratch = self.scratch[key] = buffer.new_empty((longest, *buffer.shape[1:]))
+        return scratch
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -174,12 +195,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             # SDPA's CPU flash kernel already lays its output out token-major,
             # so a lone request needs no copy into an output buffer.
             req = plan.requests[0]
-            return _attend_request(q, req.keys(k_buffer), req.keys(v_buffer), layer, req).contiguous()
+            return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
         out = q.new_empty(q.shape)
+        k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
         for req in plan.requests:
             q_req = q[req.q_start : req.q_start + req.q_len]
+            # Copied into `out` before the next request's gather reuses the scratch.
             out[req.q_start : req.q_start + req.q_len] = _attend_request(
-                q_req, req.keys(k_buffer), req.keys(v_buffer), layer, req
+                q_req, req.keys(k_buffer, k_scratch), req.keys(v_buffer, v_scratch), layer, req
             )
         return out
 
