@@ -5,16 +5,15 @@ backend makes, on the same tensors, without the runner/backend layer*: one
 forward is run with SDPA wrapped to record every call's arguments, and the
 baseline replays those recorded calls. Whatever the backend does around
 SDPA is therefore the measured overhead: writing the new K/V into the cache,
-slicing or gathering each request's keys, folding GQA heads, the mode
-dispatch and the forward context, assembling the output.
+slicing each request's keys, folding GQA heads, the mode dispatch and the
+forward context, assembling the output.
 
 For a *paged* layout SDPA cannot be called on the cache at all: any
-SDPA-based attention must first gather each request's scattered K/V rows into
-a dense tensor. There the baseline is "per request, one ``index_select`` of K
-and of V from the cache into the very tensors its recorded SDPA call reads,
-then that call" — the least work a direct implementation does. (Replaying the
-SDPA calls alone would read tensors the gathers just left hot in cache without
-paying for the gathers, which flatters neither side honestly.)
+SDPA-based attention must first gather the scattered K/V rows into dense
+tensors. So ``torch.index_select`` is recorded too, and the baseline replays
+the same gathers and the same SDPA calls in the same order — the least work a
+direct implementation does. (Replaying the SDPA calls alone would read tensors
+the gathers just left hot in cache without paying for the gathers.)
 
 Per-batch planning (``init_forward_metadata``, once per forward for all
 layers) is not in the per-layer figure; it is reported in the notes.
@@ -91,22 +90,36 @@ def _setup(mode: str, n_req: int, prefix: int, new: int, contiguous: bool) -> tu
     return runner, batch, q, k, v, plan_seconds
 
 
-def _record_sdpa(forward: Callable[[], object]) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """Run ``forward`` once with SDPA wrapped, returning every call's arguments."""
+Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def _record_kernels(forward: Callable[[], object]) -> list[Call]:
+    """Run ``forward`` once with SDPA and ``torch.index_select`` wrapped; return every call, in order.
+
+    ``index_select`` is how a backend gathers a paged request's K/V rows; the
+    backend's own bookkeeping (slicing, views, dispatch, output assembly) is
+    what the replay leaves out.
+    """
+    import torch
     import torch.nn.functional as F
 
-    real = F.scaled_dot_product_attention
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    real_sdpa, real_select = F.scaled_dot_product_attention, torch.index_select
+    calls: list[Call] = []
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        calls.append((args, kwargs))
-        return real(*args, **kwargs)
+    def spy(real: Callable[..., Any]) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            calls.append((real, args, kwargs))
+            return real(*args, **kwargs)
 
-    F.scaled_dot_product_attention = spy
+        return record
+
+    F.scaled_dot_product_attention = spy(real_sdpa)
+    torch.index_select = spy(real_select)  # type: ignore[assignment]
     try:
         forward()
     finally:
-        F.scaled_dot_product_attention = real
+        F.scaled_dot_product_attention = real_sdpa
+        torch.index_select = real_select
     return calls
 
 
@@ -133,7 +146,6 @@ def _run(rounds: int, quick: bool, threads: int) -> list[Row]:
 def _measure(
     rounds: int, threads: int, label: str, mode: str, n_req: int, prefix: int, new: int, contiguous: bool
 ) -> list[Row]:
-    import torch
     import torch.nn.functional as F
 
     sdpa = F.scaled_dot_product_attention
@@ -144,38 +156,29 @@ def _measure(
         with runner.forward_context():
             return backend.forward(q, k, v, layer, batch)
 
-    calls = _record_sdpa(through_runner)
+    calls = _record_kernels(through_runner)
+    n_sdpa = sum(1 for fn, _, _ in calls if fn is sdpa)
+    n_gather = len(calls) - n_sdpa
 
     def direct() -> None:
-        for args, kwargs in calls:
-            sdpa(*args, **kwargs)
-
-    gathers = _gathers_into_recorded_tensors(batch, layer.layer_id, calls)
-
-    def gather_then_direct() -> None:
-        # Per request, refill the very tensors its recorded SDPA call reads, then replay
-        # that call: the minimal "gather + SDPA" a direct implementation over a paged cache does.
-        for (args, kwargs), request_gathers in zip(calls, gathers, strict=True):
-            for cache, index, out in request_gathers:
-                torch.index_select(cache, 0, index, out=out)
-            sdpa(*args, **kwargs)
+        for fn, args, kwargs in calls:
+            fn(*args, **kwargs)
 
     number = max(1, int(0.05 / _once(through_runner)))
-    baseline = direct if contiguous else gather_then_direct
-    candidates = {"runner": per_call(through_runner, number), "direct": per_call(baseline, number)}
+    candidates = {"runner": per_call(through_runner, number), "direct": per_call(direct, number)}
     stats = interleaved(candidates, rounds)
     notes = [
         f"torch threads: {threads}; init_forward_metadata (once per batch, all layers): {plan_seconds * 1e6:.0f} us"
     ]
 
-    sdpa_only = f"the same {len(calls)} SDPA call(s) on the same tensors"
+    sdpa_only = f"the same {n_sdpa} SDPA call(s) on the same tensors"
     return [
         Row(
             section="attention overhead",
             case=label,
             candidate="runner torch_native forward (1 layer)",
             value=stats["runner"].median * 1e6,
-            baseline=sdpa_only if contiguous else f"{n_req} K/V gathers from the paged cache + {sdpa_only}",
+            baseline=f"the same {n_gather} K/V gather(s) + {sdpa_only}" if n_gather else sdpa_only,
             baseline_value=stats["direct"].median * 1e6,
             unit="us",
             spread=stats["runner"].spread,
@@ -186,31 +189,6 @@ def _measure(
             notes=notes,
         )
     ]
-
-
-def _gathers_into_recorded_tensors(
-    batch: Any, layer_id: int, calls: list[tuple[tuple[Any, ...], dict[str, Any]]]
-) -> list[list[tuple[Any, Any, Any]]]:
-    """For each request, (cache, slot index, dense tensor its recorded SDPA call reads K or V from).
-
-    The backend gathers a fragmented request's rows into a fresh dense tensor
-    and hands SDPA a view of it; the view's ``_base`` is that tensor.
-    """
-    import torch
-
-    pool = batch.kv_pool
-    caches = (pool.k_buffer(layer_id), pool.v_buffer(layer_id))
-    out: list[list[tuple[Any, Any, Any]]] = []
-    requests = zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=True)
-    for (req, seq_len), (args, _) in zip(requests, calls, strict=True):
-        index = pool.req_to_token[req, :seq_len].clone()
-        request_gathers = []
-        for cache, recorded in zip(caches, args[1:3], strict=True):
-            dense = recorded._base if recorded._base is not None else recorded
-            if isinstance(dense, torch.Tensor) and tuple(dense.shape) == (seq_len, *cache.shape[1:]):
-                request_gathers.append((cache, index, dense))
-        out.append(request_gathers)
-    return out
 
 
 def _once(fn: Callable[[], object]) -> float:

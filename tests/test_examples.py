@@ -138,3 +138,21 @@ def test_pytest_option_runs_the_kit_against_both_without_a_test_file(site: Path,
     proc = _pytest(["--attnhost-backend", "batched_matmul", "--attnhost-backend", "tiny"], cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("38 passed"), proc.stdout
+
+
+def test_speculative_demo_drafts_on_the_installed_plugin(site: Path) -> None:
+    """With an example plugin installed, the demo's draft runner uses it; the target stays on torch_native."""
+    demo = EXAMPLES / "speculative_demo.py"
+    result = subprocess.run(
+        [sys.executable, str(demo), "--steps", "12", "--k", "3"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env([site]),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "draft runner: BatchedMatmulAttnBackend from plugin 'batched' (attnhost-batched 0.2.0)" in out
+    assert "target runner: TorchNativeAttnBackend from plugin 'builtin'" in out
+    assert "DRAFT_EXTEND     -> batched_matmul" in out and "TARGET_VERIFY    -> torch_native" in out
+    assert "speculative output equals the target's own greedy output: yes" in out

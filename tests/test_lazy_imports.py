@@ -18,7 +18,7 @@ import sys
 import pytest
 from helpers import run_python, subprocess_env
 
-from attnhost import cli
+from attnhost import _fastargs, _jsonout, cli
 
 BACKEND_MODULES = ("attnhost_builtin.torch_native", "attnhost.runner", "attnhost.forward_batch", "attnhost.backend")
 
@@ -89,7 +89,7 @@ FAST_ARGV = [
 
 @pytest.mark.parametrize("argv", FAST_ARGV)
 def test_fast_parse_matches_argparse(argv: list[str]) -> None:
-    fast = cli._fast_parse(argv)
+    fast = _fastargs.parse(argv, cli._FAST_COMMANDS)
     assert fast is not None
     assert vars(fast) == vars(cli._build_parser(argv).parse_args(argv))
 
@@ -110,7 +110,7 @@ def test_fast_parse_matches_argparse(argv: list[str]) -> None:
     ],
 )
 def test_fast_parse_leaves_everything_else_to_argparse(argv: list[str]) -> None:
-    assert cli._fast_parse(argv) is None
+    assert _fastargs.parse(argv, cli._FAST_COMMANDS) is None
 
 
 def test_abbreviated_flag_still_works_through_argparse() -> None:
@@ -134,7 +134,7 @@ def test_abbreviated_flag_still_works_through_argparse() -> None:
     ],
 )
 def test_dumps_is_json_dumps_indent_2(payload: object) -> None:
-    assert cli._dumps(payload) == json.dumps(payload, indent=2)
+    assert _jsonout.dumps(payload) == json.dumps(payload, indent=2)
 
 
 def test_list_json_output_is_json_dumps_indent_2() -> None:

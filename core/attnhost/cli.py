@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import os
 import sys
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from attnhost import _log
+from attnhost import _fastargs, _log
 from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError
 
 if TYPE_CHECKING:
     import argparse
     import logging
     from collections.abc import Callable, Sequence
+    from types import SimpleNamespace
     from typing import TypeAlias
 
     from attnhost.discovery import PluginInfo
@@ -34,8 +34,9 @@ EXIT_USAGE = 2
 
 # Start-up cost matters here (``attnhost list`` must beat a bare ``importlib.metadata``
 # scan, see BENCHMARKS.md): ``argparse`` (with ``gettext``/``locale``), ``json`` and
-# ``logging`` are imported only on the paths that use them, and the common
-# invocations are parsed without ``argparse`` at all (``_fast_parse``).
+# ``logging`` are imported only on the paths that use them (``--json`` output is
+# written by ``attnhost._jsonout``), and the common invocations are parsed without
+# ``argparse`` at all (``attnhost._fastargs``).
 
 
 class _UsageError(Exception):
@@ -97,70 +98,6 @@ def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
         out.write("  ".join(cells).rstrip() + "\n")
 
 
-def _dumps(payload: object) -> str:
-    """``json.dumps(payload, indent=2)``, byte for byte, without importing ``json``.
-
-    With ``indent`` the standard library encodes in pure Python, and importing
-    ``json`` (with its decoder) costs another ~1 ms: together ~2 ms of
-    ``attnhost list --json``'s start-up. Our payloads are dicts with string keys,
-    lists, strings, bools, ints and None; only strings need real escaping, done
-    by the same C function ``json`` uses. Anything else falls back to ``json``.
-    """
-    try:
-        from _json import encode_basestring_ascii
-    except ImportError:  # pragma: no cover - CPython always has _json
-        import json
-
-        return json.dumps(payload, indent=2)
-    parts: list[str] = []
-    if not _encode(payload, parts, "\n", encode_basestring_ascii):
-        import json
-
-        return json.dumps(payload, indent=2)
-    return "".join(parts)
-
-
-def _encode(value: object, out: list[str], newline: str, quote: Callable[[str], str]) -> bool:
-    """Append ``value`` as ``json.dumps(indent=2)`` would; False if it holds a type we do not handle."""
-    if isinstance(value, str):
-        out.append(quote(value))
-    elif value is None:
-        out.append("null")
-    elif value is True:
-        out.append("true")
-    elif value is False:
-        out.append("false")
-    elif type(value) is int:
-        out.append(int.__repr__(value))
-    elif isinstance(value, (list, tuple)):
-        if not value:
-            out.append("[]")
-            return True
-        inner = newline + "  "
-        out.append("[")
-        for i, item in enumerate(value):
-            out.append(inner if i == 0 else "," + inner)
-            if not _encode(item, out, inner, quote):
-                return False
-        out.append(newline + "]")
-    elif isinstance(value, dict):
-        if not value:
-            out.append("{}")
-            return True
-        inner = newline + "  "
-        out.append("{")
-        for i, (key, item) in enumerate(value.items()):
-            if not isinstance(key, str):
-                return False
-            out.append((inner if i == 0 else "," + inner) + quote(key) + ": ")
-            if not _encode(item, out, inner, quote):
-                return False
-        out.append(newline + "}")
-    else:
-        return False
-    return True
-
-
 def _platform_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--platform",
@@ -213,8 +150,10 @@ def _cmd_list(args: Args, out: TextIO) -> int:
     rows = _backend_rows(platform, args.draft)
     plugins = default_host().plugins()
     if args.json:
+        from attnhost._jsonout import dumps
+
         payload = {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
-        out.write(_dumps(payload) + "\n")
+        out.write(dumps(payload) + "\n")
         return EXIT_OK
     table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE"]]
     for row in rows:
@@ -257,7 +196,9 @@ def _cmd_plugins(args: Args, out: TextIO) -> int:
 
 def _print_plugins(plugins: Sequence[PluginInfo], as_json: bool, out: TextIO) -> int:
     if as_json:
-        out.write(_dumps({"plugins": [p.to_json() for p in plugins]}) + "\n")
+        from attnhost._jsonout import dumps
+
+        out.write(dumps({"plugins": [p.to_json() for p in plugins]}) + "\n")
         return EXIT_OK
     table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT / ERROR"]]
     for info in plugins:
@@ -295,11 +236,13 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
         )
     }
     if args.json:
+        from attnhost._jsonout import dumps
+
         payload = result.to_json()
         payload["availability"] = {
             role: {"available": a.available, "reason": a.reason} for role, a in availability.items()
         }
-        out.write(_dumps(payload) + "\n")
+        out.write(dumps(payload) + "\n")
         return EXIT_OK
     rows = [
         ["platform", platform, "(from --platform)" if args.platform else ""],
@@ -353,46 +296,12 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-# Flags of the commands _fast_parse handles, with their defaults, exactly as _build_parser declares them.
+# Flags of the commands _fastargs.parse handles, with their defaults, exactly as _build_parser declares them.
 _FAST_COMMANDS: dict[str, tuple[Callable[[Args, TextIO], int], dict[str, Any]]] = {
     "list": (_cmd_list, {"json": False, "draft": False, "platform": None}),
     "plugins": (_cmd_plugins, {"json": False}),
 }
 # ``resolve`` is never fast-parsed: its flags come from ServerArgs.add_cli_args.
-
-
-def _fast_parse(argv: Sequence[str]) -> SimpleNamespace | None:
-    """Parse ``list``/``plugins`` invocations spelled exactly (no abbreviations), or return None.
-
-    Importing and building the argparse parser costs ~3 ms, an eighth of
-    ``attnhost list``'s start-up; this handles the spellings scripts use and
-    yields the same namespace argparse would. Anything else — ``--help``,
-    abbreviations, unknown flags, a missing or dash-leading ``--platform``
-    value — returns None and goes through argparse, which produces the
-    usual messages and errors.
-    """
-    if not argv or argv[0] not in _FAST_COMMANDS:
-        return None
-    handler, defaults = _FAST_COMMANDS[argv[0]]
-    values = dict(defaults)
-    i = 1
-    while i < len(argv):
-        token = argv[i]
-        flag, eq, inline = token.partition("=")
-        if not eq and flag in ("--json", "--draft") and flag[2:] in values:
-            values[flag[2:]] = True
-        elif flag == "--platform" and "platform" in values:
-            if eq:
-                values["platform"] = inline
-            elif i + 1 < len(argv) and not argv[i + 1].startswith("-"):
-                i += 1
-                values["platform"] = argv[i]
-            else:
-                return None
-        else:
-            return None
-        i += 1
-    return SimpleNamespace(command=argv[0], handler=handler, **values)
 
 
 def _version() -> str:
@@ -444,7 +353,7 @@ def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
 
     debug = os.environ.get("ATTNHOST_DEBUG", "") not in ("", "0")
     try:
-        args: Args | None = _fast_parse(argv)
+        args: Args | None = _fastargs.parse(argv, _FAST_COMMANDS)
         if args is None:
             args = _build_parser(argv).parse_args(argv)
         handler: Callable[[Args, TextIO], int] = args.handler

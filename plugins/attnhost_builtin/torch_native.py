@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from attnhost.backend import AttentionBackend, AttentionLayer
-from attnhost.forward_batch import KVPool
 
 if TYPE_CHECKING:
     from attnhost.forward_batch import ForwardBatch
@@ -188,7 +187,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = forward_batch.kv_pool
         if save_kv_cache:
             kv_shape = (-1, layer.num_kv_heads, layer.head_dim)
-            _save_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
         if len(plan.requests) == 1:
@@ -196,15 +195,22 @@ class TorchNativeAttnBackend(AttentionBackend):
             # so a lone request needs no copy into an output buffer.
             req = plan.requests[0]
             return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
-        out = q.new_empty(q.shape)
         k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
-        for req in plan.requests:
-            q_req = q[req.q_start : req.q_start + req.q_len]
-            # Copied into `out` before the next request's gather reuses the scratch.
-            out[req.q_start : req.q_start + req.q_len] = _attend_request(
-                q_req, req.keys(k_buffer, k_scratch), req.keys(v_buffer, v_scratch), layer, req
-            )
-        return out
+        # Requests are laid out in order in q, so their outputs are concatenated once at the
+        # end (one kernel) rather than copied into an output tensor one by one. SDPA's
+        # outputs are fresh tensors, so reusing the gather scratch for the next request is safe.
+        return torch.cat(
+            [
+                _attend_request(
+                    q[req.q_start : req.q_start + req.q_len],
+                    req.keys(k_buffer, k_scratch),
+                    req.keys(v_buffer, v_scratch),
+                    layer,
+                    req,
+                )
+                for req in plan.requests
+            ]
+        )
 
     def _plan_for(self, forward_batch: ForwardBatch) -> _BatchPlan:
         plan = self._plan
@@ -214,26 +220,6 @@ class TorchNativeAttnBackend(AttentionBackend):
                 "ForwardBatch; call it once per batch before the layers run"
             )
         return plan
-
-
-def _save_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``pool.set_kv``, through ``index_copy_`` when the pool is a plain ``KVPool``.
-
-    ``KVPool.set_kv`` assigns with advanced indexing (``buffer[loc] = k``,
-    i.e. ``index_put_``), which on CPU (torch 2.13) opens an OpenMP parallel
-    region even to write a handful of rows; on cores shared with other work
-    (any busy server) it then waits for descheduled threads: 5.4 ms for 16
-    decode tokens with 2 threads on a loaded 2-core machine, against 7 us
-    single-threaded — more than the decode attention itself (BENCHMARKS.md).
-    ``index_copy_`` writes the rows without that (~6 us either way), with the
-    same result, duplicates included (both leave one unspecified winner). A
-    pool subclass that overrides ``set_kv`` keeps its own behaviour.
-    """
-    if type(pool).set_kv is not KVPool.set_kv or k.shape[0] != loc.shape[0]:
-        pool.set_kv(layer_id, loc, k, v)
-        return
-    pool.k_buffer(layer_id).index_copy_(0, loc, k.to(pool.dtype))
-    pool.v_buffer(layer_id).index_copy_(0, loc, v.to(pool.dtype))
 
 
 def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: int) -> _RequestPlan:
