@@ -113,6 +113,8 @@ class _RequestPlan:
 class _BatchPlan:
     batch: ForwardBatch
     requests: list[_RequestPlan]
+    decode: bool = False
+    """Every request brings one token: the per-request loop can skip masks and most reshaping."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
 
@@ -149,7 +151,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                 strict=True,
             )
         ]
-        self._plan = _BatchPlan(forward_batch, plans)
+        self._plan = _BatchPlan(forward_batch, plans, decode=all(plan.q_len == 1 for plan in plans))
 
     def forward_extend(
         self,
@@ -196,6 +198,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             req = plan.requests[0]
             return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
         k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
+        if plan.decode:
+            return _decode(q, k_buffer, v_buffer, k_scratch, v_scratch, layer, plan.requests)
         # Requests are laid out in order in q, so their outputs are concatenated once at the
         # end (one kernel) rather than copied into an output tensor one by one. SDPA's
         # outputs are fresh tensors, so reusing the gather scratch for the next request is safe.
@@ -237,6 +241,47 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
         kv_run=(first, first + seq_len) if contiguous else None,
         kv_index=None if contiguous else slots.clone(),
     )
+
+
+def _decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    k_scratch: torch.Tensor | None,
+    v_scratch: torch.Tensor | None,
+    layer: AttentionLayer,
+    requests: list[_RequestPlan],
+) -> torch.Tensor:
+    """Decode: one query per request, every key visible, so one SDPA call per request and little else.
+
+    The head-major views of the cache (and of the gather scratch) and the
+    GQA-folded view of all queries (``[requests, kv_heads, q_per_kv, dim]``,
+    which is q's own memory order) are made once per layer; a request then
+    costs two slices (or a gather) and its SDPA call. This loop runs for
+    every request of every layer, so each tensor op saved here is measurable.
+    """
+    kv_heads, dim = layer.num_kv_heads, layer.head_dim
+    queries = q.view(len(requests), kv_heads, layer.num_heads // kv_heads, dim)
+    k_heads, v_heads = k_buffer.transpose(0, 1).unsqueeze(0), v_buffer.transpose(0, 1).unsqueeze(0)
+    k_gathered = k_scratch.transpose(0, 1).unsqueeze(0) if k_scratch is not None else None
+    v_gathered = v_scratch.transpose(0, 1).unsqueeze(0) if v_scratch is not None else None
+    convert = k_buffer.dtype != q.dtype
+    sdpa, scale = F.scaled_dot_product_attention, layer.scaling
+    outputs = []
+    for i, req in enumerate(requests):
+        if req.kv_run is not None:
+            start, end = req.kv_run
+            k_h, v_h = k_heads[:, :, start:end], v_heads[:, :, start:end]
+        else:
+            assert req.kv_index is not None and k_scratch is not None and v_scratch is not None
+            assert k_gathered is not None and v_gathered is not None
+            torch.index_select(k_buffer, 0, req.kv_index, out=k_scratch[: req.seq_len])
+            torch.index_select(v_buffer, 0, req.kv_index, out=v_scratch[: req.seq_len])
+            k_h, v_h = k_gathered[:, :, : req.seq_len], v_gathered[:, :, : req.seq_len]
+        if convert:
+            k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
+        outputs.append(sdpa(queries[i : i + 1], k_h, v_h, scale=scale))
+    return torch.cat(outputs).view(len(requests), layer.num_heads, dim)
 
 
 def _attend_request(
