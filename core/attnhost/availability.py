@@ -6,8 +6,9 @@ unavailable one with the same reason, so the two never disagree.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING, NamedTuple
+
+from attnhost.platform import module_installed
 
 if TYPE_CHECKING:
     from attnhost.registry import BackendEntry
@@ -27,14 +28,6 @@ class Availability(NamedTuple):
     reason: str | None = None
 
 
-def _module_installed(module: str) -> bool:
-    top = module.partition(".")[0]  # find_spec of a submodule would import its parent
-    try:
-        return importlib.util.find_spec(top) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _install_hint(entry: BackendEntry) -> str:
     if entry.spec.provided_by:
         return f"pip install {entry.spec.provided_by}"
@@ -51,9 +44,9 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
         return Availability(False, f"declared only, no installed plugin implements it{kernels}")
     if spec.platforms and platform not in spec.platforms:
         return Availability(False, f"runs on {', '.join(spec.platforms)}, not {platform}")
-    missing = [module for module in spec.requires if not _module_installed(module)]
+    missing = [module for module in spec.requires if not module_installed(module)]
     if missing:
         return Availability(False, f"module {missing[0]!r} is not installed ({_install_hint(entry)})")
-    if isinstance(spec.factory, str) and not _module_installed(spec.factory_module or ""):
+    if isinstance(spec.factory, str) and not module_installed(spec.factory_module or ""):
         return Availability(False, f"factory module {spec.factory_module!r} is not installed ({_install_hint(entry)})")
     return Availability(True)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from attnhost._log import logger
-from attnhost.entry_points import EntryPointRecord
+from attnhost.entry_points import EntryPointRecord, normalize_name
 from attnhost.errors import RegistryFrozenError
 from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
@@ -244,12 +244,8 @@ def _short_repr(obj: object) -> str:
     return safe_repr(obj, 60)
 
 
-def _normalize_dist(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
 def _is_builtin(record: EntryPointRecord) -> bool:
-    return _normalize_dist(record.distribution) == BUILTIN_DISTRIBUTION
+    return normalize_name(record.distribution) == BUILTIN_DISTRIBUTION
 
 
 def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = None) -> PluginInfo:
@@ -292,7 +288,7 @@ def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
 ) -> DiscoveryResult:
     """Import and register the entry points the settings allow; never raises for a plugin's fault."""
-    ordered = sorted(records, key=lambda r: (not _is_builtin(r), r.name, _normalize_dist(r.distribution)))
+    ordered = sorted(records, key=lambda r: (not _is_builtin(r), r.name, normalize_name(r.distribution)))
     result = DiscoveryResult()
     taken: dict[str, PluginInfo] = {}
     for record in ordered:

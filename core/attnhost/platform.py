@@ -23,6 +23,7 @@ __all__ = [
     "current_platform",
     "detect_platform",
     "device_available",
+    "module_installed",
     "normalize_platform",
     "torch_build_info",
 ]
@@ -74,9 +75,14 @@ def torch_build_info() -> dict[str, str | None]:
     return {}
 
 
-def _module_present(name: str) -> bool:
+def module_installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it (only its top-level package is looked up).
+
+    ``find_spec`` of a dotted name would import the parent package, which is
+    exactly what discovery and availability checks must not do.
+    """
     try:
-        return importlib.util.find_spec(name) is not None
+        return importlib.util.find_spec(module.partition(".")[0]) is not None
     except (ImportError, ValueError):
         return False
 
@@ -84,7 +90,7 @@ def _module_present(name: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def detect_platform() -> str:
     """Detect the platform from installed packages' build metadata; never imports torch."""
-    if _module_present("torch_npu"):
+    if module_installed("torch_npu"):
         return "npu"
     info = torch_build_info()
     if info.get("hip"):

@@ -24,7 +24,6 @@ __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry",
 
 
 Role = Literal["target", "draft"]
-ROLES: tuple[Role, ...] = ("target", "draft")
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,13 +108,9 @@ def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, dra
     raise AttnhostError(f"no plugin answered {hook_name}({platform!r}); is the built-in plugin installed?")
 
 
-def _resolve_platform(platform: str | None) -> str:
-    return current_platform(platform)
-
-
 def resolve_attention_backends(args: ServerArgs, platform: str | None = None) -> TargetResolution:
     """The target's ``(prefill, decode)``: the flags, else the platform's default backend."""
-    platform = _resolve_platform(platform)
+    platform = current_platform(platform)
     registry = default_host().registry()
     trace: list[str] = []
     prefill, decode = args.get_attention_backends()
@@ -143,7 +139,7 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
 
 def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = None) -> DraftResolution:
     """The draft worker's backend, exactly as SGLang #35932 decides it, with the reasons."""
-    platform = _resolve_platform(platform)
+    platform = current_platform(platform)
     registry = default_host().registry()
     trace: list[str] = []
     candidate = args.speculative_draft_attention_backend

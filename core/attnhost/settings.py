@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from attnhost.entry_points import NO_CACHE_ENV  # owned by the scanner; listed here with the others
+
 __all__ = [
     "DISABLE_AUTOLOAD_ENV",
     "NO_CACHE_ENV",
@@ -21,7 +23,6 @@ __all__ = [
 PLUGINS_ENV = "ATTNHOST_PLUGINS"
 DISABLE_AUTOLOAD_ENV = "ATTNHOST_DISABLE_PLUGIN_AUTOLOAD"
 STRICT_ENV = "ATTNHOST_STRICT"
-NO_CACHE_ENV = "ATTNHOST_NO_CACHE"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 

@@ -115,12 +115,14 @@ class _BatchPlan:
     requests: list[_RequestPlan]
     decode: bool = False
     """Every request brings one token: the per-request loop can skip masks and most reshaping."""
+    longest_gather: int = 0
+    """Rows of the longest fragmented request (0: nothing is gathered); sizes the scratch."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
 
     def gather_scratch(self, buffer: torch.Tensor, role: int) -> torch.Tensor | None:
         """A tensor big enough for the longest fragmented request's rows, or None if none is fragmented."""
-        longest = max((req.seq_len for req in self.requests if req.kv_run is None), default=0)
+        longest = self.longest_gather
         if not longest:
             return None
         key = (role, buffer.dtype, buffer.device, tuple(buffer.shape[1:]))
@@ -151,7 +153,12 @@ class TorchNativeAttnBackend(AttentionBackend):
                 strict=True,
             )
         ]
-        self._plan = _BatchPlan(forward_batch, plans, decode=all(plan.q_len == 1 for plan in plans))
+        self._plan = _BatchPlan(
+            forward_batch,
+            plans,
+            decode=all(plan.q_len == 1 for plan in plans),
+            longest_gather=max((plan.seq_len for plan in plans if plan.kv_run is None), default=0),
+        )
 
     def forward_extend(
         self,
