@@ -15,7 +15,7 @@ from conftest import run_probe
 from distgen import make_dist
 
 ACME = '''
-"""A third-party plugin: implements the declared-only 'flashinfer', declares 'acme_declared', answers the CPU fallback."""
+"""A third-party plugin: implements declared-only 'flashinfer', declares 'acme_declared', answers the fallback."""
 from attnhost import BackendSpec, hookimpl
 
 
