@@ -152,3 +152,29 @@ def test_a_decode_batch_computes_the_same_as_sglangs_torch_native() -> None:
         sglang_backend.init_forward_metadata(batch)
         theirs = sglang_backend.forward(q, k, v, layer, batch)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixed_batch_computes_the_same_as_sglangs_torch_native() -> None:
+    """Chunked prefill mixed with decode (SGLang's MIXED): extend lengths of 1 beside longer ones."""
+    case = DenseAttentionCase(
+        name="mixed",
+        backend="batched_matmul",
+        forward_mode=ForwardMode.EXTEND,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=16,
+        prefix_lens=(0, 15, 20),
+        extend_lens=(9, 1, 1),
+    )
+    with torch.no_grad():
+        fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+        batch = fixture.forward_batch
+        batch.forward_mode = ForwardMode.MIXED
+        sglang_backend = ATTENTION_BACKENDS["torch_native"](fixture.runner)
+        q, k, v = _qkv(fixture)
+        layer = fixture.actual_module.attn
+        fixture.backend.init_forward_metadata(batch)
+        ours = fixture.backend.forward(q, k, v, layer, batch)
+        sglang_backend.init_forward_metadata(batch)
+        theirs = sglang_backend.forward(q, k, v, layer, batch)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
