@@ -242,7 +242,10 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
         return memo[2]
     file = cache.cache_file(ident)
     if file is not None:
-        hit = _from_file(file, ident, group, path)
+        text, writable = cache.read_cache(file)
+        hit = _from_file(file, text, ident, group, path) if text is not None else None
+        if not writable:
+            file = None
         if hit is not None:
             _STATS["cache_hits"] += 1
             _MEMO[ident] = hit
@@ -265,12 +268,9 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
 
 
 def _from_file(
-    file: str, ident: str, group: str, path: Sequence[str]
+    file: str, text: str, ident: str, group: str, path: Sequence[str]
 ) -> tuple[str, cache.Plan, tuple[EntryPointRecord, ...]] | None:
-    """The cached answer, if the file is sane, its key still holds and every record is declared on disk."""
-    text = cache.read_cache(file)
-    if text is None:
-        return None
+    """The cached answer, if the file is well formed, its key still holds and every record is declared on disk."""
     decoded = cache.decode(text, len(path))
     if decoded is None:
         _reject(f"{file} is not a well-formed cache file")

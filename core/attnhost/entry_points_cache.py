@@ -463,21 +463,22 @@ def _check_dir(directory: str) -> str | None:
     return problem
 
 
-def read_cache(file: str) -> str | None:
-    """The cache file's text if it is safe to use; ``None`` (with one debug line unless absent) otherwise."""
+def read_cache(file: str) -> tuple[str | None, bool]:
+    """The cache file's text if it is safe to use (``None`` otherwise, with one debug line unless it is
+    absent), and whether its directory may be written to."""
     problem = _check_dir(os.path.dirname(file))
     if problem == "missing":
-        return None
+        return None, True
     if problem is not None:
         _debug(problem)
-        return None
+        return None, False
     try:
         fd = os.open(file, _O_READ | _O_NOFOLLOW)
     except FileNotFoundError:
-        return None
+        return None, True
     except OSError as exc:
         _debug(f"cannot open {file} without following links or blocking: {exc.strerror}")
-        return None
+        return None, True
     try:
         st = os.fstat(fd)
         if not _stat.S_ISREG(st.st_mode):
@@ -497,7 +498,7 @@ def read_cache(file: str) -> str | None:
                 problem = f"{file} grew beyond {MAX_CACHE_BYTES} bytes while read"
             else:
                 try:
-                    return data.decode("utf-8")
+                    return data.decode("utf-8"), True
                 except UnicodeDecodeError:
                     problem = f"{file} is not UTF-8"
     except OSError as exc:
@@ -505,7 +506,7 @@ def read_cache(file: str) -> str | None:
     finally:
         os.close(fd)
     _debug(problem)
-    return None
+    return None, True
 
 
 def _ensure_dir(directory: str) -> bool:
