@@ -263,17 +263,22 @@ def _read_small(path: str) -> str | None:
 def _installed_this_attnhost(source: str) -> bool:
     """Whether the metadata directory *source* is the one that installed the ``attnhost`` imported here.
 
-    Where, not what: a wheel install's ``RECORD`` lists the very
-    ``attnhost/__init__.py`` this process imported; an editable install's
-    ``direct_url.json`` names the source tree it is imported from. A
-    ``METADATA`` name proves nothing, since any distribution can claim one.
+    Where, not what: a wheel install's ``RECORD`` (or a develop egg-info's
+    ``SOURCES.txt``) lists the very ``attnhost/__init__.py`` this process
+    imported; an editable install's ``direct_url.json`` names the source tree
+    it is imported from. A ``METADATA`` name proves nothing, since any
+    distribution can claim one.
     """
     import attnhost
 
     here = os.path.realpath(attnhost.__file__)
     site = os.path.dirname(os.path.abspath(source))
-    for line in (_read_small(os.path.join(source, "RECORD")) or "").splitlines():
-        listed = line.rsplit(",", 2)[0].strip('"')
+    # RECORD: a wheel install; SOURCES.txt: an egg-info next to the source tree (``setup.py develop``, builds).
+    listing = (_read_small(os.path.join(source, "RECORD")) or "") + (
+        _read_small(os.path.join(source, "SOURCES.txt")) or ""
+    )
+    for line in listing.splitlines():
+        listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
         if listed.replace("\\", "/").endswith("attnhost/__init__.py"):
             if os.path.realpath(os.path.join(site, listed)) == here:
                 return True
@@ -359,17 +364,21 @@ def load_entry_points(
 
     The built-in plugin is registered directly, always first and under every
     setting: it is attnhost's own code, found where attnhost is installed. Its
-    own entry point (:func:`is_own_declaration`) stands for it; any other entry
-    point, whatever distribution name it claims, is a third-party plugin under
-    ``ATTNHOST_PLUGINS`` and ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD``, and one named
-    ``builtin`` is a collision. Never raises for a plugin's fault.
+    own entry point (:func:`is_own_declaration`) gives its provenance; any
+    other entry point, whatever distribution name it claims, is a third-party
+    plugin under ``ATTNHOST_PLUGINS`` and ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD``,
+    and one named ``builtin`` (for anything but the built-in's own module) is a
+    collision. Never raises for a plugin's fault.
     """
     own = next((record for record in records if is_own_declaration(record)), None)
     builtin = _builtin_record(own)
     result = DiscoveryResult()
     taken: dict[str, PluginInfo] = {BUILTIN_PLUGIN: _load_one(pm, builtin, _info(builtin, PluginStatus.LOADED, builtin=True))}
     result.plugins.append(taken[BUILTIN_PLUGIN])
-    ordered = sorted((r for r in records if r is not own), key=lambda r: (r.name, normalize_name(r.distribution)))
+    # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
+    # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
+    others = [r for r in records if r is not own and (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
+    ordered = sorted(others, key=lambda r: (r.name, normalize_name(r.distribution)))
     for record in ordered:
         info = _info(record, PluginStatus.LOADED)
         if record.name in taken:
