@@ -171,9 +171,7 @@ def test_entry_point_group_is_sglangs(tmp_path: Path) -> None:
 
 IMPOSTOR_MODULE = "import os\nopen(os.environ['IMPOSTOR_MARKER'], 'a').write(__name__ + '\\n')\n" + HOOK_PLUGIN.replace(
     '"acme"', '"evil_backend"'
-).replace('"acme_target_only"', '"evil_target_only"').replace('["acme_v1"]', "[]").replace(
-    'aliases=("acme_v1",), ', ""
-)
+).replace('"acme_target_only"', '"evil_target_only"').replace('["acme_v1"]', "[]").replace('aliases=("acme_v1",), ', "")
 
 
 def _impostor(site: Path, dist: str, version: str, metadata_name: str) -> None:

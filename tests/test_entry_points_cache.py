@@ -24,7 +24,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-import importlib_metadata  # noqa: F401 - imported before sys.path is narrowed, as any process would have it
+import importlib_metadata
 import pytest
 from distgen import make_dist, render_entry_points, settle
 
@@ -34,7 +34,7 @@ from attnhost.entry_points import scan, scan_stats
 
 G = "sglang.draft_attention_backends"
 WINDOW_NS = 50_000_000
-STDLIB = [sysconfig.get_path("stdlib"), os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")]
+STDLIB = [sysconfig.get_path("stdlib"), os.path.join(sysconfig.get_path("stdlib"), "lib-dynload")]
 CORE = str(Path(E.__file__).parents[1])
 SITE_PACKAGES = str(Path(importlib_metadata.__file__).parents[1])
 
@@ -176,7 +176,10 @@ def test_upgrade_is_seen_immediately(site: Path, memo: bool) -> None:
     (new / "entry_points.txt").write_text(render_entry_points({G: {"a": "plug_a:plugin_v2", "a2": "plug_a:extra"}}))
     (new / "METADATA").write_text((new / "METADATA").read_text().replace("Version: 1.0", "Version: 2.0"))
     fresh(memo)
-    assert [x for x in names() if x[0].startswith("a")] == [("a", "plug_a:plugin_v2", "2.0"), ("a2", "plug_a:extra", "2.0")]
+    assert [x for x in names() if x[0].startswith("a")] == [
+        ("a", "plug_a:plugin_v2", "2.0"),
+        ("a2", "plug_a:extra", "2.0"),
+    ]
 
 
 @BOTH
@@ -260,7 +263,9 @@ def test_entry_points_file_added_to_existing_egg_info_is_seen(site: Path) -> Non
     assert "legacy" in {r.name for r in scan(G)}
 
 
-def test_new_path_entry_and_shadowing_change_are_seen(site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_new_path_entry_and_shadowing_change_are_seen(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     front = tmp_path / "front"
     monkeypatch.setattr(sys, "path", [str(front), *sys.path])
     cached_scan()  # 'front' does not exist yet
@@ -287,7 +292,9 @@ def test_fresh_environment_is_answered_but_not_cached(
     assert [r.value for r in scan(G)] == ["FRESH_MOD"]
 
 
-def test_key_stats_every_distribution_once_and_plugins_a_few_times(tmp_path: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_stats_every_distribution_once_and_plugins_a_few_times(
+    tmp_path: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Structural, not timed (figures come from ``benchmarks/``): what a hit must stat."""
     from distgen import make_environment
 
@@ -350,7 +357,9 @@ def test_groups_and_path_lists_get_their_own_files(site: Path, tmp_path: Path, m
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
-def test_no_cache_env_writes_and_reads_nothing(site: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+def test_no_cache_env_writes_and_reads_nothing(
+    site: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
     monkeypatch.setenv("ATTNHOST_NO_CACHE", value)
     for _ in range(2):
         before = scan_stats()
@@ -434,7 +443,7 @@ def test_a_forged_record_is_never_returned(
 
 
 def test_a_forged_builtin_is_not_imported_even_with_autoload_disabled(site: Path, xdg: Path, tmp_path: Path) -> None:
-    """The attack of old: a forged record claiming distribution attnhost ran code under ATTNHOST_DISABLE_PLUGIN_AUTOLOAD."""
+    """The attack of old: a forged record claiming to be attnhost's ran code under ATTNHOST_DISABLE_PLUGIN_AUTOLOAD."""
     marker = tmp_path / "pwned"
     (site / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
     settle(WINDOW_NS)
@@ -503,7 +512,9 @@ def test_a_cache_file_owned_by_another_user_is_ignored(site: Path, caplog: pytes
     _assert_ignored_once(caplog, expected)
 
 
-def test_a_cache_directory_writable_by_others_is_ignored(site: Path, xdg: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_cache_directory_writable_by_others_is_ignored(
+    site: Path, xdg: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     expected = scan(G)
     os.chmod(xdg / "attnhost", 0o777)
     _assert_ignored_once(caplog, expected)
@@ -548,7 +559,9 @@ def test_unwritable_cache_location_is_ignored(site: Path, monkeypatch: pytest.Mo
 
 
 def test_concurrent_writers_leave_a_valid_cache(site: Path, xdg: Path) -> None:
-    code = _child_code('E.scan("sglang.draft_attention_backends")').replace("SITE_PATH", repr([str(site), *STDLIB, SITE_PACKAGES]))
+    code = _child_code('E.scan("sglang.draft_attention_backends")').replace(
+        "SITE_PATH", repr([str(site), *STDLIB, SITE_PACKAGES])
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
     env["XDG_CACHE_HOME"] = str(xdg)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=site) for _ in range(6)]

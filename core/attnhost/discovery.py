@@ -279,9 +279,9 @@ def _installed_this_attnhost(source: str) -> bool:
     )
     for line in listing.splitlines():
         listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
-        if listed.replace("\\", "/").endswith("attnhost/__init__.py"):
-            if os.path.realpath(os.path.join(site, listed)) == here:
-                return True
+        ours = listed.replace("\\", "/").endswith("attnhost/__init__.py")
+        if ours and os.path.realpath(os.path.join(site, listed)) == here:
+            return True
     direct = _read_small(os.path.join(source, "direct_url.json"))
     if direct and '"editable"' in direct:
         import json
@@ -321,7 +321,9 @@ def _builtin_record(own: EntryPointRecord | None) -> EntryPointRecord:
     )
 
 
-def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = None, builtin: bool = False) -> PluginInfo:
+def _info(
+    record: EntryPointRecord, status: PluginStatus, error: str | None = None, builtin: bool = False
+) -> PluginInfo:
     return PluginInfo(
         name=record.name,
         distribution=record.distribution,
@@ -373,7 +375,9 @@ def load_entry_points(
     own = next((record for record in records if is_own_declaration(record)), None)
     builtin = _builtin_record(own)
     result = DiscoveryResult()
-    taken: dict[str, PluginInfo] = {BUILTIN_PLUGIN: _load_one(pm, builtin, _info(builtin, PluginStatus.LOADED, builtin=True))}
+    taken: dict[str, PluginInfo] = {
+        BUILTIN_PLUGIN: _load_one(pm, builtin, _info(builtin, PluginStatus.LOADED, builtin=True))
+    }
     result.plugins.append(taken[BUILTIN_PLUGIN])
     # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
     # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.

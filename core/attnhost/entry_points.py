@@ -335,7 +335,7 @@ def _from_importlib(
             try:
                 name, version = str(dist.name or ""), str(dist.version or "")
             except Exception:  # metadata without Name/Version
-                pass
+                name = version = ""
             location = os.path.normpath(str(dist.locate_file("")))
             idx = index.get(location)
             if idx is not None:
