@@ -317,7 +317,10 @@ def _from_importlib(
     except ImportError:  # a broken install; the standard library's copy is the next best
         import importlib.metadata as md  # type: ignore[no-redef]
 
-    md.MetadataPathFinder.invalidate_caches()  # its in-process listing cache is keyed by whole-second mtimes
+    try:  # its in-process listing cache is keyed by whole-second mtimes (an instance: 3.11's stdlib copy needs one)
+        md.MetadataPathFinder().invalidate_caches()
+    except Exception:  # pragma: no cover - a library without that cache
+        pass
     try:
         found = list(md.entry_points(group=group))
     except Exception as exc:  # e.g. an entry_points.txt that is not UTF-8 breaks the whole call
