@@ -17,13 +17,14 @@ plus ``(st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of, per path entry:
    a zip file's stat covers everything inside it);
 2. for *every* metadata directory in it (a name ending in ``.dist-info`` or
    ``.egg-info``, or ``EGG-INFO``, in any case: a superset of what
-   ``importlib_metadata`` looks at): its ``entry_points.txt`` when it has one
-   (catches an in-place edit, even one that keeps size and mtime: the kernel
-   sets ctime on every change), otherwise the directory itself (whose
-   mtime/ctime move when an ``entry_points.txt`` is added to it);
-3. for each metadata directory whose ``entry_points.txt`` mentions the group:
-   the directory, and its ``METADATA``/``PKG-INFO`` (the distribution's name
-   and version are part of the answer).
+   ``importlib_metadata`` looks at): the directory itself (its mtime/ctime
+   move when a file in it is created, removed or renamed: an
+   ``entry_points.txt`` added or removed, a ``METADATA`` appearing), and its
+   ``entry_points.txt`` when it has one (catches an in-place edit, even one
+   that keeps inode, size and mtime: the kernel sets ctime on every change);
+3. for each metadata directory whose ``entry_points.txt`` mentions the group,
+   its ``METADATA``/``PKG-INFO`` (the distribution's name and version are
+   part of the answer).
 
 Every stat is taken before the file it vouches for is read, so a concurrent
 change can only cause a later miss, never a stale hit. A stat that fails on
@@ -34,17 +35,19 @@ A scan is not cached while anything in its key changed within
 ``attnhost.entry_points.RACY_WINDOW_NS`` of now (git's "racily clean" rule):
 after that, any change sets a ctime newer than every ctime in the key.
 
-Remaining blind spots, precisely: (a) a filesystem that does not maintain
-ctime (or mtime) for the files above, e.g. some FUSE or network mounts, when
-a change also keeps inode, size and mtime; (b) the system clock set back by
-more than the racy window between the cached scan and a change, with the
-change then landing on exactly the old (inode, size, mtime, ctime); (c)
-changes outside the files listed, which do not change
-``importlib_metadata.entry_points(group=...)`` for directories — except
-``METADATA`` edits of a distribution that does not mention the group (which
-can only matter through shadowing by a normalised name derived from
-``METADATA``, i.e. a metadata directory whose own name does not carry one);
-(d) a custom distribution finder on ``sys.meta_path``: then no cache is used.
+Remaining blind spots, precisely: (a) a filesystem that maintains neither
+ctime nor mtime for the files above (some FUSE or network mounts), where a
+change also keeps inode and size; (b) the system clock stepped back by more
+than the racy window between the cached scan and a change, with the change
+landing on exactly the old (inode, size, mtime, ctime); (c) an in-place edit
+of the *content* of ``METADATA``/``PKG-INFO`` (not its creation, removal or
+replacement) of a distribution whose ``entry_points.txt`` does not mention
+the group: it changes the answer only if it changes the name
+``importlib_metadata`` deduplicates that distribution by, which comes from
+``METADATA`` only when the directory's own name carries none (an upper-case
+suffix, an empty name part), and that name then shadows or unshadows a
+plugin; (d) anything a custom distribution finder on ``sys.meta_path``
+finds: with one installed, no cache is used.
 
 The file
 --------
@@ -367,14 +370,14 @@ def _child_targets(
     Returns its ``entry_points.txt`` text when that mentions *group*, ``""``
     when it does not (or there is none), ``None`` when the directory vanished.
     """
+    sig = _stat_at(prefix + child, fd)
+    if sig is None:
+        return None
+    targets.append(child)
+    sigs.append(sig)
     ep = f"{child}/entry_points.txt"
     sig = _stat_at(prefix + ep, fd)
     if sig is None:
-        sig = _stat_at(prefix + child, fd)
-        if sig is None:
-            return None
-        targets.append(child)
-        sigs.append(sig)
         return ""
     targets.append(ep)
     sigs.append(sig)
@@ -385,7 +388,7 @@ def _child_targets(
         text = data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
     except UnicodeDecodeError:
         return ""
-    for extra in (child, f"{child}/METADATA", f"{child}/PKG-INFO"):
+    for extra in (f"{child}/METADATA", f"{child}/PKG-INFO"):
         extra_sig = _stat_at(prefix + extra, fd)
         if extra_sig is not None:
             targets.append(extra)
