@@ -244,3 +244,35 @@ def test_an_impostor_named_attnhost_is_under_the_controls(tmp_path: Path, env: d
     assert status[("evil", False)] in ("blocked", "not-allowed")
     assert status[("builtin", False)] == "duplicate"
     assert not marker.exists()
+
+
+def test_the_builtins_own_entry_point_is_recognised_by_where_attnhost_is_installed(tmp_path: Path) -> None:
+    """RECORD (wheel) or direct_url.json (editable) must point at the attnhost imported here; a name proves nothing."""
+    import os
+
+    from attnhost.discovery import BUILTIN_MODULE, BUILTIN_PLUGIN, is_own_declaration
+    from attnhost.entry_points import EntryPointRecord
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(attnhost.__file__)))
+    installed = os.path.join(site, f"attnhost-{attnhost.__version__}.dist-info")
+    if not os.path.isdir(installed):
+        pytest.skip("attnhost is not installed as a wheel here (run through tox)")
+
+    def record(source: str, value: str = BUILTIN_MODULE) -> EntryPointRecord:
+        return EntryPointRecord(BUILTIN_PLUGIN, value, GROUP, "attnhost", attnhost.__version__, site, source)
+
+    assert is_own_declaration(record(installed))
+    assert not is_own_declaration(record(installed, value="evil_builtin"))  # its own dir, another module
+
+    copy = make_dist(tmp_path / "copy", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (copy / "RECORD").write_text("attnhost/__init__.py,sha256=x,1\n")  # lists a file, but not *this* one
+    assert not is_own_declaration(record(str(copy)))
+
+    editable = make_dist(tmp_path / "editable", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (editable / "direct_url.json").write_text(json.dumps({"url": Path(site).as_uri(), "dir_info": {"editable": True}}))
+    assert is_own_declaration(record(str(editable)))
+    elsewhere = make_dist(tmp_path / "other", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (elsewhere / "direct_url.json").write_text(
+        json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {"editable": True}})
+    )
+    assert not is_own_declaration(record(str(elsewhere)))
