@@ -10,7 +10,7 @@ The key
 -------
 One file per (interpreter, group, ``sys.path``): its name hashes
 :func:`identity`. The key inside it is a blake2b digest of :func:`identity`
-plus ``(st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of, per path entry:
+plus ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of, per path entry:
 
 1. the entry itself (a directory's mtime/ctime move whenever a name in it is
    created, removed or renamed: an install, uninstall, upgrade or reinstall;
@@ -39,7 +39,7 @@ Remaining blind spots, precisely: (a) a filesystem that maintains neither
 ctime nor mtime for the files above (some FUSE or network mounts), where a
 change also keeps inode and size; (b) the system clock stepped back by more
 than the racy window between the cached scan and a change, with the change
-landing on exactly the old (inode, size, mtime, ctime); (c) an in-place edit
+landing on exactly the old (device, inode, size, mtime, ctime); (c) an in-place edit
 of the *content* of ``METADATA``/``PKG-INFO`` (not its creation, removal or
 replacement) of a distribution whose ``entry_points.txt`` does not mention
 the group: it changes the answer only if it changes the name
@@ -116,7 +116,7 @@ _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC
 _O_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
-_Sig = tuple[int, int, int, int]
+_Sig = tuple[int, int, int, int, int]
 
 
 def _debug(message: str) -> None:
@@ -165,7 +165,7 @@ def cache_file(ident: str) -> str | None:
 
 
 def _sig(st: os.stat_result) -> _Sig:
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _entry_kind(entry: str) -> tuple[str, _Sig | None]:
@@ -228,7 +228,7 @@ def key(ident: str, path: Sequence[str], plan: Plan) -> str | None:
         finally:
             if fd is not None:
                 os.close(fd)
-        add(tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in sigs))
+        add(tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in sigs))
     return _digest(material)
 
 
@@ -317,7 +317,7 @@ def survey(ident: str, path: Sequence[str], group: str) -> Survey:
         kind, sig = _entry_kind(entry)
         material.append((kind, sig))
         if sig is not None:
-            newest = max(newest, sig[2], sig[3])
+            newest = max(newest, sig[3], sig[4])
         targets: list[str] = []
         sigs: list[_Sig] = []
         if kind == "d":
@@ -347,7 +347,7 @@ def survey(ident: str, path: Sequence[str], group: str) -> Survey:
                 if fd is not None:
                     os.close(fd)
         for s in sigs:
-            newest = max(newest, s[2], s[3])
+            newest = max(newest, s[3], s[4])
         material.append(tuple(sigs) if kind == "d" and targets else ())
         result.plan.entries.append((kind, tuple(targets)))
     result.digest = _digest(material)
