@@ -96,13 +96,12 @@ def _measure(
     import importlib_metadata
     import pluggy
 
-    from attnhost import entry_points
-    from attnhost.discovery import GuardedPluginManager, load_entry_points
-    from attnhost.hooks import PROJECT_NAME, AttnhostHookSpecs
-
     # The built-in is registered directly (it is attnhost's own code); import it while attnhost's own
     # install is still on the path, which stable_base_path() leaves out when that is inside the repo (.tox).
     import attnhost_builtin  # noqa: F401
+    from attnhost import entry_points
+    from attnhost.discovery import GuardedPluginManager, load_entry_points
+    from attnhost.hooks import PROJECT_NAME, AttnhostHookSpecs
 
     path = [str(root), *stable_base_path()]
     sys.path[:] = path
