@@ -317,10 +317,11 @@ def _from_importlib(
     except ImportError:  # a broken install; the standard library's copy is the next best
         import importlib.metadata as md  # type: ignore[no-redef]
 
-    try:  # its in-process listing cache is keyed by whole-second mtimes (an instance: 3.11's stdlib copy needs one)
+    import contextlib  # the miss path: importlib_metadata has imported it already
+
+    # Its in-process listing cache is keyed by whole-second mtimes (an instance: 3.11's stdlib copy needs one).
+    with contextlib.suppress(Exception):
         md.MetadataPathFinder().invalidate_caches()
-    except Exception:  # pragma: no cover - a library without that cache
-        pass
     try:
         found = list(md.entry_points(group=group))
     except Exception as exc:  # e.g. an entry_points.txt that is not UTF-8 breaks the whole call
