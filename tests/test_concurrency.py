@@ -153,6 +153,7 @@ def _run(site: Path, code: str, *argv: str) -> tuple[dict[str, Any], Counter[int
     return data, imports
 
 
+@pytest.mark.torch  # its workers run a model runner
 def test_threads_load_once_and_agree(site: Path) -> None:
     data, imports = _run(site, THREADS)
     assert data["errors"] == []

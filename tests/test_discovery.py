@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 from distgen import make_dist
-from helpers import GROUP, list_json, make_plugin, run_cli, run_python
+from helpers import GROUP, list_json, make_plugin, run_cli, run_python, subprocess_env
+
+import attnhost
 
 HOOK_PLUGIN = """
 import attnhost
@@ -160,3 +165,114 @@ def test_entry_point_group_is_sglangs(tmp_path: Path) -> None:
     names = _backends(list_json([site]))
     assert "acme" not in names
     assert GROUP == "sglang.draft_attention_backends"
+
+
+# --------------------------------------------------------------------------- the built-in is who it is
+
+IMPOSTOR_MODULE = "import os\nopen(os.environ['IMPOSTOR_MARKER'], 'a').write(__name__ + '\\n')\n" + HOOK_PLUGIN.replace(
+    '"acme"', '"evil_backend"'
+).replace('"acme_target_only"', '"evil_target_only"').replace('["acme_v1"]', "[]").replace('aliases=("acme_v1",), ', "")
+
+
+def _impostor(site: Path, dist: str, version: str, metadata_name: str) -> None:
+    """A distribution whose METADATA says it is attnhost, declaring a 'builtin' entry point and one of its own."""
+    make_dist(
+        site,
+        dist,
+        version,
+        {GROUP: {"builtin": "evil_builtin", "evil": "evil_plugin"}},
+        modules={"evil_builtin": IMPOSTOR_MODULE, "evil_plugin": IMPOSTOR_MODULE},
+        metadata_name=metadata_name,
+    )
+
+
+def _plugins(data: dict) -> list[dict]:
+    return list(data["plugins"])
+
+
+def _cli_elsewhere(cwd: Path, *args: str, site: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -m attnhost`` run from *cwd*, so no metadata of the checkout is on the path."""
+    return subprocess.run(
+        [sys.executable, "-m", "attnhost", *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env([site], env),
+        cwd=cwd,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("dist", "version"),
+    [("evil", "6.6"), ("attnhost", "9.9")],
+    ids=["claims-the-name", "shadows-the-real-distribution"],
+)
+def test_an_impostor_named_attnhost_cannot_displace_the_builtin(tmp_path: Path, dist: str, version: str) -> None:
+    site = tmp_path / "site"
+    _impostor(site, dist, version, metadata_name="attnhost")
+    marker = tmp_path / "imported"
+    result = _cli_elsewhere(tmp_path, "list", "--json", site=site, env={"IMPOSTOR_MARKER": str(marker)})
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    plugins = _plugins(data)
+    builtins = [p for p in plugins if p["builtin"]]
+    assert len(builtins) == 1
+    assert builtins[0]["name"] == "builtin" and builtins[0]["value"] == "attnhost_builtin"
+    assert builtins[0]["status"] == "loaded" and builtins[0]["version"] == attnhost.__version__
+    fake = [p for p in plugins if p["name"] == "builtin" and not p["builtin"]]
+    assert [p["status"] for p in fake] == ["duplicate"] and "built-in" in fake[0]["error"]
+    assert "plugin 'builtin' (distribution attnhost " + version in result.stderr  # reported as a collision
+    evil = next(p for p in plugins if p["name"] == "evil")
+    assert evil["status"] == "loaded" and evil["builtin"] is False  # an ordinary third-party plugin
+    assert _backends(data)["torch_native"]["plugin"] == "builtin"
+    assert marker.read_text().split() == ["evil_plugin"]  # its 'builtin' module was never imported
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"ATTNHOST_DISABLE_PLUGIN_AUTOLOAD": "1"}, {"ATTNHOST_PLUGINS": "acme"}],
+    ids=["autoload-disabled", "allow-list"],
+)
+def test_an_impostor_named_attnhost_is_under_the_controls(tmp_path: Path, env: dict[str, str]) -> None:
+    site = tmp_path / "site"
+    _impostor(site, "evil", "6.6", metadata_name="attnhost")
+    marker = tmp_path / "imported"
+    result = _cli_elsewhere(tmp_path, "plugins", "--json", site=site, env={"IMPOSTOR_MARKER": str(marker), **env})
+    assert result.returncode == 0, result.stderr
+    status = {(p["name"], p["builtin"]): p["status"] for p in json.loads(result.stdout)["plugins"]}
+    assert status[("builtin", True)] == "loaded"
+    assert status[("evil", False)] in ("blocked", "not-allowed")
+    assert status[("builtin", False)] == "duplicate"
+    assert not marker.exists()
+
+
+def test_the_builtins_own_entry_point_is_recognised_by_where_attnhost_is_installed(tmp_path: Path) -> None:
+    """RECORD (wheel) or direct_url.json (editable) must point at the attnhost imported here; a name proves nothing."""
+    import os
+
+    from attnhost.discovery import BUILTIN_MODULE, BUILTIN_PLUGIN, is_own_declaration
+    from attnhost.entry_points import EntryPointRecord
+
+    site = os.path.dirname(os.path.dirname(os.path.abspath(attnhost.__file__)))
+    installed = os.path.join(site, f"attnhost-{attnhost.__version__}.dist-info")
+    if not os.path.isdir(installed):
+        pytest.skip("attnhost is not installed as a wheel here (run through tox)")
+
+    def record(source: str, value: str = BUILTIN_MODULE) -> EntryPointRecord:
+        return EntryPointRecord(BUILTIN_PLUGIN, value, GROUP, "attnhost", attnhost.__version__, site, source)
+
+    assert is_own_declaration(record(installed))
+    assert not is_own_declaration(record(installed, value="evil_builtin"))  # its own dir, another module
+
+    copy = make_dist(tmp_path / "copy", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (copy / "RECORD").write_text("attnhost/__init__.py,sha256=x,1\n")  # lists a file, but not *this* one
+    assert not is_own_declaration(record(str(copy)))
+
+    editable = make_dist(tmp_path / "editable", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (editable / "direct_url.json").write_text(json.dumps({"url": Path(site).as_uri(), "dir_info": {"editable": True}}))
+    assert is_own_declaration(record(str(editable)))
+    elsewhere = make_dist(tmp_path / "other", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    (elsewhere / "direct_url.json").write_text(
+        json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {"editable": True}})
+    )
+    assert not is_own_declaration(record(str(elsewhere)))

@@ -67,6 +67,7 @@ def site(sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.mark.torch  # the examples implement their backends with torch
 def test_list_shows_both_with_distribution_and_version(site: Path) -> None:
     data = list_json([site])
     backends: dict[str, dict[str, Any]] = {row["name"]: row for row in data["backends"]}
@@ -101,6 +102,7 @@ def test_listing_imports_neither_torch_nor_a_kernel(site: Path) -> None:
     assert json.loads(result.stdout) == []
 
 
+@pytest.mark.torch  # availability of the examples' backends is torch's
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_resolve_accepts_them_as_draft_backends(site: Path, name: str) -> None:
     result = run_cli("resolve", "--speculative-draft-attention-backend", name, "--json", path_entries=[site])
@@ -126,6 +128,7 @@ def _pytest(args: list[str], *, cwd: Path, site: Path) -> subprocess.CompletedPr
     )
 
 
+@pytest.mark.torch  # the examples implement their backends with torch
 def test_examples_own_test_suites_pass(site: Path, sources: Path) -> None:
     """What each example's author runs in CI: `pytest` in the package, one subclass of the kit."""
     proc = _pytest([f"{d}/tests" for d, *_ in BACKENDS.values()], cwd=sources, site=site)
@@ -134,12 +137,14 @@ def test_examples_own_test_suites_pass(site: Path, sources: Path) -> None:
     assert summary.startswith("38 passed"), summary  # 19 kit tests each, none skipped
 
 
+@pytest.mark.torch  # the examples implement their backends with torch
 def test_pytest_option_runs_the_kit_against_both_without_a_test_file(site: Path, tmp_path: Path) -> None:
     proc = _pytest(["--attnhost-backend", "batched_matmul", "--attnhost-backend", "tiny"], cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith("38 passed"), proc.stdout
 
 
+@pytest.mark.torch  # the examples implement their backends with torch
 def test_speculative_demo_drafts_on_the_installed_plugin(site: Path) -> None:
     """With an example plugin installed, the demo's draft runner uses it; the target stays on torch_native."""
     demo = EXAMPLES / "speculative_demo.py"

@@ -5,9 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from helpers import run_python
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+pytestmark = pytest.mark.torch  # it runs model runners
 
 
 def test_python_example_runs_and_dispatches_per_runner() -> None:

@@ -180,6 +180,7 @@ def test_broken_fallback_hook_is_skipped_with_a_warning(caplog: pytest.LogCaptur
 # -- CLI -------------------------------------------------------------------------------------
 
 
+@pytest.mark.torch  # torch_native is available only with torch
 def test_cli_resolve_explains_rocm_fallback() -> None:
     result = run_cli("resolve", "--attention-backend", "torch_native", "--platform", "rocm")
     assert result.returncode == 0, result.stderr

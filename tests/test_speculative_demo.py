@@ -5,9 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import subprocess_env
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "speculative_demo.py"
+
+
+pytestmark = pytest.mark.torch  # it runs model runners
 
 
 def test_demo_runs_and_checks_itself() -> None:

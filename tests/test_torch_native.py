@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")  # the py312/py313 envs have no torch
+pytestmark = pytest.mark.torch
 
 import attnhost_builtin.torch_native as torch_native
 from attnhost.backend import AttentionBackend, AttentionLayer

@@ -10,7 +10,9 @@ the plugin, its distribution and the cause.
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -27,6 +29,8 @@ from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = [
     "BUILTIN_DISTRIBUTION",
+    "BUILTIN_MODULE",
+    "BUILTIN_PLUGIN",
     "ENTRY_POINT_GROUP",
     "GuardedPluginManager",
     "PluginInfo",
@@ -46,6 +50,9 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_DISTRIBUTION = "attnhost"
+BUILTIN_PLUGIN = "builtin"
+"""The built-in plugin's name: attnhost's own entry point ``builtin = attnhost_builtin``."""
+BUILTIN_MODULE = "attnhost_builtin"
 
 
 class PluginStatus(enum.StrEnum):
@@ -244,11 +251,79 @@ def _short_repr(obj: object) -> str:
     return safe_repr(obj, 60)
 
 
-def _is_builtin(record: EntryPointRecord) -> bool:
-    return normalize_name(record.distribution) == BUILTIN_DISTRIBUTION
+def _read_small(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read(1 << 20)
+    except (OSError, ValueError):
+        return None
 
 
-def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = None) -> PluginInfo:
+@functools.cache
+def _installed_this_attnhost(source: str) -> bool:
+    """Whether the metadata directory *source* is the one that installed the ``attnhost`` imported here.
+
+    Where, not what: a wheel install's ``RECORD`` (or a develop egg-info's
+    ``SOURCES.txt``) lists the very ``attnhost/__init__.py`` this process
+    imported; an editable install's ``direct_url.json`` names the source tree
+    it is imported from. A ``METADATA`` name proves nothing, since any
+    distribution can claim one.
+    """
+    import attnhost
+
+    here = os.path.realpath(attnhost.__file__)
+    site = os.path.dirname(os.path.abspath(source))
+    # RECORD: a wheel install; SOURCES.txt: an egg-info next to the source tree (``setup.py develop``, builds).
+    listing = (_read_small(os.path.join(source, "RECORD")) or "") + (
+        _read_small(os.path.join(source, "SOURCES.txt")) or ""
+    )
+    for line in listing.splitlines():
+        listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
+        ours = listed.replace("\\", "/").endswith("attnhost/__init__.py")
+        if ours and os.path.realpath(os.path.join(site, listed)) == here:
+            return True
+    direct = _read_small(os.path.join(source, "direct_url.json"))
+    if direct and '"editable"' in direct:
+        import json
+        from urllib.parse import unquote, urlsplit
+
+        try:
+            data = json.loads(direct)
+            url = urlsplit(data["url"])
+            editable = bool(data.get("dir_info", {}).get("editable"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        if editable and url.scheme == "file":
+            tree = os.path.realpath(unquote(url.path))
+            return here.startswith(tree.rstrip(os.sep) + os.sep)
+    return False
+
+
+def is_own_declaration(record: EntryPointRecord) -> bool:
+    """Whether *record* is attnhost's own entry point for its built-in plugin (decided by where it is installed)."""
+    return (
+        record.name == BUILTIN_PLUGIN
+        and record.value == BUILTIN_MODULE
+        and bool(record.source)
+        and _installed_this_attnhost(record.source)
+    )
+
+
+def _builtin_record(own: EntryPointRecord | None) -> EntryPointRecord:
+    """The built-in's own entry point, or the same declaration made directly when discovery did not return it."""
+    if own is not None:
+        return own
+    import attnhost
+
+    location = os.path.dirname(os.path.dirname(os.path.abspath(attnhost.__file__)))
+    return EntryPointRecord(
+        BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, BUILTIN_DISTRIBUTION, attnhost.__version__, location
+    )
+
+
+def _info(
+    record: EntryPointRecord, status: PluginStatus, error: str | None = None, builtin: bool = False
+) -> PluginInfo:
     return PluginInfo(
         name=record.name,
         distribution=record.distribution,
@@ -256,7 +331,7 @@ def _info(record: EntryPointRecord, status: PluginStatus, error: str | None = No
         value=record.value,
         status=status,
         error=error,
-        builtin=_is_builtin(record),
+        builtin=builtin,
         location=record.location,
     )
 
@@ -287,34 +362,52 @@ class DiscoveryResult:
 def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
 ) -> DiscoveryResult:
-    """Import and register the entry points the settings allow; never raises for a plugin's fault."""
-    ordered = sorted(records, key=lambda r: (not _is_builtin(r), r.name, normalize_name(r.distribution)))
+    """Register the built-in, then import and register the entry points the settings allow.
+
+    The built-in plugin is registered directly, always first and under every
+    setting: it is attnhost's own code, found where attnhost is installed. Its
+    own entry point (:func:`is_own_declaration`) gives its provenance; any
+    other entry point, whatever distribution name it claims, is a third-party
+    plugin under ``ATTNHOST_PLUGINS`` and ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD``,
+    and one named ``builtin`` (for anything but the built-in's own module) is a
+    collision. Never raises for a plugin's fault.
+    """
+    own = next((record for record in records if is_own_declaration(record)), None)
+    builtin = _builtin_record(own)
     result = DiscoveryResult()
-    taken: dict[str, PluginInfo] = {}
+    taken: dict[str, PluginInfo] = {
+        BUILTIN_PLUGIN: _load_one(pm, builtin, _info(builtin, PluginStatus.LOADED, builtin=True))
+    }
+    result.plugins.append(taken[BUILTIN_PLUGIN])
+    # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
+    # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
+    others = [r for r in records if r is not own and (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
+    ordered = sorted(others, key=lambda r: (r.name, normalize_name(r.distribution)))
     for record in ordered:
         info = _info(record, PluginStatus.LOADED)
         if record.name in taken:
             owner = taken[record.name]
+            holder = "attnhost's built-in plugin" if owner.builtin else f"distribution {owner.distribution}"
             info = replace(
                 info,
                 status=PluginStatus.DUPLICATE,
-                error=f"plugin name {record.name!r} is already taken by distribution {owner.distribution}",
+                error=f"plugin name {record.name!r} is already taken by {holder}",
             )
             logger.warning(
                 "%s was not loaded: %s; rename one of the entry points or uninstall one distribution",
                 info.origin,
                 info.error,
             )
-        elif not info.builtin and not settings.autoload:
+        elif not settings.autoload:
             info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
-        elif not info.builtin and settings.allow is not None and record.name not in settings.allow:
+        elif settings.allow is not None and record.name not in settings.allow:
             info = replace(info, status=PluginStatus.NOT_ALLOWED, error=f"not named in {PLUGINS_ENV}")
         else:
             info = _load_one(pm, record, info)
             taken[record.name] = info
         result.plugins.append(info)
     if settings.allow is not None:
-        found = {record.name for record in records}
+        found = {record.name for record in records} | {BUILTIN_PLUGIN}
         missing = tuple(sorted(settings.allow - found))
         for name in missing:
             logger.warning(
