@@ -166,7 +166,10 @@ class AttentionBackend(abc.ABC):
 
     Tensors: ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are
     ``[tokens, num_kv_heads, head_dim]`` for the new tokens of the batch, in
-    request order; the result is ``[tokens, num_heads, head_dim]``.
+    request order; the result is ``[tokens, num_heads, head_dim]``. A
+    subclass implements ``init_forward_metadata`` and ``forward_extend``;
+    one that implements no ``forward_extend`` cannot be instantiated
+    (``TypeError``), and ``forward_decode`` is optional.
     """
 
     prefill_attention_backend_str: str | None = None
@@ -193,7 +196,6 @@ class AttentionBackend(abc.ABC):
     ) -> torch.Tensor:
         """Attention for new tokens that attend to a cached prefix and causally to each other."""
 
-    @abc.abstractmethod
     def forward_decode(
         self,
         q: torch.Tensor,
@@ -203,7 +205,12 @@ class AttentionBackend(abc.ABC):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """Attention for one new token per request over its whole cached sequence."""
+        """Attention for one new token per request over its whole cached sequence.
+
+        Decode is the one-new-token case of extend, so by default it is
+        ``forward_extend``; override it only where a decode kernel is faster.
+        """
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward(
         self,

@@ -54,7 +54,7 @@ from attnhost.host import default_host, get_registry
 from attnhost.platform import current_platform
 from attnhost.reference import reference_attention
 from attnhost.registry import BackendEntry
-from attnhost.resolve import DraftResolution
+from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 

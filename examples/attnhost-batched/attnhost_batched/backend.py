@@ -76,29 +76,6 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        # Decode is the T == 1 case of the same padded computation.
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
         meta = self._metadata
         if meta is None or meta.batch is not forward_batch:
             raise RuntimeError("batched_matmul: init_forward_metadata() was not called for this ForwardBatch")
