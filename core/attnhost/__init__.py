@@ -11,52 +11,31 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_PUBLIC: dict[str, tuple[str, ...]] = {
-    "errors": (
-        "AttnhostError",
-        "BackendUnavailableError",
-        "InvalidPluginError",
-        "KVPoolFullError",
-        "NoForwardContextError",
-        "PlatformError",
-        "PluginLoadError",
-        "RankCheckError",
-        "RankMismatchError",
-        "RegistryFrozenError",
-        "UnknownBackendError",
-    ),
-    "spec": ("BackendFactory", "BackendSpec"),
-    "hooks": ("hookimpl",),
-    "discovery": ("ENTRY_POINT_GROUP", "PluginInfo", "PluginStatus"),
-    "registry": ("BackendEntry", "Registry"),
-    "availability": ("Availability", "check_availability"),
-    "host": ("get_plugin_manager", "get_registry", "register_plugin"),
-    "choices": (
-        "ATTENTION_BACKEND_CHOICES",
-        "DRAFT_ATTENTION_BACKEND_CHOICES",
-        "add_attention_backend_choices",
-        "add_draft_attention_backend_choices",
-    ),
-    "server_args": ("ServerArgs",),
-    "platform": ("current_platform",),
-    "resolution": (
-        "DraftResolution",
-        "Resolution",
-        "TargetResolution",
-        "resolve",
-        "resolve_attention_backends",
-        "resolve_draft_attention_backend",
-    ),
-    "backend": ("AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache"),
-    "forward_mode": ("ForwardMode",),
-    "forward_batch": ("ForwardBatch", "KVPool"),
-    "hybrid": ("HybridAttnBackend",),
-    "runner": ("ModelRunner",),
-    "context": ("dispatch_attention_backend", "get_attn_backend"),
+_PUBLIC: dict[str, str] = {
+    "errors": "AttnhostError BackendUnavailableError InvalidPluginError KVPoolFullError NoForwardContextError "
+    "PlatformError PluginLoadError RankCheckError RankMismatchError RegistryFrozenError UnknownBackendError",
+    "spec": "BackendFactory BackendSpec",
+    "hooks": "hookimpl",
+    "discovery": "ENTRY_POINT_GROUP PluginInfo PluginStatus",
+    "registry": "BackendEntry Registry",
+    "availability": "Availability check_availability",
+    "host": "get_plugin_manager get_registry register_plugin",
+    "choices": "ATTENTION_BACKEND_CHOICES DRAFT_ATTENTION_BACKEND_CHOICES add_attention_backend_choices "
+    "add_draft_attention_backend_choices",
+    "server_args": "ServerArgs",
+    "platform": "current_platform",
+    "resolution": "DraftResolution Resolution TargetResolution resolve resolve_attention_backends "
+    "resolve_draft_attention_backend",
+    "backend": "AttentionBackend AttentionLayer AttentionRunner BackendCapabilities KVCache",
+    "forward_mode": "ForwardMode",
+    "forward_batch": "ForwardBatch KVPool",
+    "hybrid": "HybridAttnBackend",
+    "runner": "ModelRunner",
+    "context": "dispatch_attention_backend get_attn_backend",
 }
-"""Submodule → the public names it defines; ``__all__`` and the lazy exports are made from it."""
+"""Submodule → the public names it defines: the one table ``__all__`` and the lazy exports are made from."""
 
-_MODULE_OF = {name: f"attnhost.{module}" for module, names in _PUBLIC.items() for name in names}
+_MODULE_OF = {name: f"attnhost.{module}" for module, names in _PUBLIC.items() for name in names.split()}
 __all__ = sorted(_MODULE_OF)
 
 

@@ -15,6 +15,7 @@ from attnhost.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor
 
     from attnhost.forward_batch import ForwardBatch
 
@@ -185,26 +186,12 @@ class AttentionBackend(abc.ABC):
         """Precompute per-batch metadata once, before the layers run."""
 
     @abc.abstractmethod
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         """Attention for new tokens that attend to a cached prefix and causally to each other."""
 
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         """Attention for one new token per request over its whole cached sequence.
 
         Decode is the one-new-token case of extend, so by default it is
@@ -212,15 +199,8 @@ class AttentionBackend(abc.ABC):
         """
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         """Route by forward mode: idle gives an empty result, decode decodes, the rest extend."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:

@@ -81,17 +81,11 @@ class PluginInfo:
         return plugin_label(self.name, self.distribution, self.version)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "value": self.value,
-            "status": self.status.value,
-            "error": self.error,
-            "backends": list(self.backends),
-            "warnings": list(self.warnings),
-            "builtin": self.builtin,
-        }
+        """What ``--json`` shows: every field but the path entry it was found on."""
+        fields = ("name", "distribution", "version", "value", "status", "error", "backends", "warnings", "builtin")
+        out: dict[str, Any] = {name: getattr(self, name) for name in fields}
+        out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
+        return out
 
 
 class PluginProblem(Exception):

@@ -8,7 +8,7 @@ in one place and every boolean is read by the same forgiving rule
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "DEBUG_ENV",
@@ -34,6 +34,7 @@ DEBUG_ENV = "ATTNHOST_DEBUG"
 """Boolean: the CLI re-raises unexpected errors with their traceback."""
 NO_CACHE_ENV = "ATTNHOST_NO_CACHE"
 """Boolean: entry-point discovery neither reads nor writes its on-disk cache."""
+# merge note (issue 11): entry_points.py still defines its own NO_CACHE_ENV; its replacement reads this one.
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
@@ -48,9 +49,8 @@ def env_flag(name: str) -> bool:
     return env_text(name).lower() in _TRUE
 
 
-@dataclass(frozen=True, slots=True)
-class LoadSettings:
-    """Which third-party plugins may load, and whether a failure is fatal."""
+class LoadSettings(NamedTuple):
+    """Which third-party plugins may load, and whether a failure is fatal (immutable, compared by value)."""
 
     allow: frozenset[str] | None
     """``None``: every plugin; otherwise only these (the built-ins always load)."""

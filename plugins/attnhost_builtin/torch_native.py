@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from attnhost.backend import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from attnhost.backend import AttentionRunner
     from attnhost.forward_batch import ForwardBatch
 
@@ -160,15 +162,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             longest_gather=max((plan.seq_len for plan in plans if plan.kv_run is None), default=0),
         )
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
         if save_kv_cache:
