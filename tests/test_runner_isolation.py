@@ -25,7 +25,7 @@ from attnhost import (
     dispatch_attention_backend,
     get_attn_backend,
 )
-from attnhost.reference import reference_attention
+from attnhost.testing.reference import reference_attention
 from attnhost_builtin.torch_native import TorchNativeAttnBackend
 
 

@@ -22,7 +22,7 @@ collective's failure is re-raised as :class:`RankCheckError`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from attnhost.errors import RankCheckError, RankMismatchError, describe_exception, plugin_label
@@ -51,7 +51,8 @@ BackendRow = tuple[str, str, bool]
 class RankFingerprint:
     """What one rank would run: its plugins, its registry and its resolution (or why it has none)."""
 
-    rank: int
+    rank: int = field(compare=False)
+    """Which rank this is; the rest is compared (``==``) across ranks."""
     platform: str | None
     plugins: tuple[PluginRow, ...]
     backends: tuple[BackendRow, ...]
@@ -59,15 +60,6 @@ class RankFingerprint:
     """``(prefill, decode, draft)`` for the args given to the check."""
     error: str | None = None
     """Why this rank could not load or resolve (a strict-mode failure, an unknown backend, ...)."""
-
-    def same_as(self, other: RankFingerprint) -> bool:
-        return (self.platform, self.plugins, self.backends, self.resolved, self.error) == (
-            other.platform,
-            other.plugins,
-            other.backends,
-            other.resolved,
-            other.error,
-        )
 
 
 ArgsLike = Union["ServerArgs", Mapping[str, Any], None]
@@ -178,7 +170,7 @@ def compare_fingerprints(fingerprints: Sequence[RankFingerprint]) -> str | None:
         return None
     ordered = sorted(fingerprints, key=lambda fp: fp.rank)
     ref = ordered[0]
-    differing = [fp for fp in ordered[1:] if not fp.same_as(ref)]
+    differing = [fp for fp in ordered[1:] if fp != ref]
     if not differing:
         return None
     ranks = ", ".join(str(fp.rank) for fp in differing)
