@@ -278,9 +278,10 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
         if is_program:
-            # and let the interpreter's collection at exit skip everything we loaded: output is flushed
-            # and the cache file was written long before
+            # and let the interpreter's collection at exit skip everything we loaded (output is flushed,
+            # the cache file was written long before); a caller that goes on gets its collector back
             gc.freeze()
+            gc.enable()
 
 
 def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
