@@ -42,7 +42,7 @@ import json, sys, threading
 import attnhost
 from attnhost import ModelRunner, ServerArgs
 from attnhost.host import default_host
-from attnhost.resolve import resolve
+from attnhost.resolution import resolve
 
 N = 12
 barrier = threading.Barrier(N)

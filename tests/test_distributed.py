@@ -146,7 +146,7 @@ def test_a_rank_with_another_allow_list_makes_every_rank_raise_the_same_error(
     message = messages.pop()
     assert "rank(s) 2 vs rank 0" in message and "rank 2 differs from rank 0" in message
     assert "rank 1 differs" not in message
-    assert "plugin 'acme' (acme-attn 1.0) is not-allowed on rank 2 but loaded on rank 0" in message
+    assert "plugin 'acme' (distribution acme-attn 1.0) is not-allowed on rank 2 but loaded on rank 0" in message
     assert "backends missing: acme" in message
     assert "prefill 'torch_native' vs 'acme'" in message and "draft 'flashinfer' vs 'acme'" in message
     assert "\n" not in message

@@ -9,7 +9,6 @@ imported (``-X importtime``), so they hold without any timing assertion.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import subprocess
@@ -18,7 +17,7 @@ import sys
 import pytest
 from helpers import run_python, subprocess_env
 
-from attnhost import _fastargs, _jsonout, cli
+from attnhost import cli
 
 BACKEND_MODULES = ("attnhost_builtin.torch_native", "attnhost.runner", "attnhost.forward_batch", "attnhost.backend")
 
@@ -46,12 +45,6 @@ def test_cli_imports_neither_torch_nor_backend_modules(argv: list[str]) -> None:
     assert not set(BACKEND_MODULES) & set(modules)
 
 
-def test_list_skips_argparse_json_and_logging_when_nothing_is_logged() -> None:
-    # Each costs 1-5 ms of a start-up budget of ~15 ms; see attnhost.cli and attnhost._log.
-    modules = set(imported_modules("-m", "attnhost", "list", "--json"))
-    assert not {"argparse", "json", "logging", "difflib"} & modules
-
-
 def test_import_attnhost_imports_no_pluggy_and_no_torch() -> None:
     result = run_python("import sys, json, attnhost; print(json.dumps(sorted(sys.modules)))")
     assert result.returncode == 0, result.stderr
@@ -71,88 +64,13 @@ def test_backend_spec_and_platform_need_no_pluggy() -> None:
     assert result.stdout.split() == ["False", "False"]
 
 
-# -- the fast paths behave exactly like what they replace -------------------------------------
-
-
-FAST_ARGV = [
-    ["list"],
-    ["list", "--json"],
-    ["list", "--draft", "--json"],
-    ["list", "--platform", "rocm"],
-    ["list", "--platform=npu", "--json", "--json"],
-    ["list", "--platform", "cuda", "--platform", "xpu"],
-    ["list", "--platform="],
-    ["plugins"],
-    ["plugins", "--json"],
-]
-
-
-@pytest.mark.parametrize("argv", FAST_ARGV)
-def test_fast_parse_matches_argparse(argv: list[str]) -> None:
-    fast = _fastargs.parse(argv, cli._FAST_COMMANDS)
-    assert fast is not None
-    assert vars(fast) == vars(cli._build_parser(argv).parse_args(argv))
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        [],
-        ["--help"],
-        ["list", "--help"],
-        ["list", "--js"],  # argparse accepts abbreviations; the fast path leaves them to it
-        ["list", "--platform"],
-        ["list", "--platform", "--json"],
-        ["list", "extra"],
-        ["plugins", "--draft"],
-        ["resolve"],
-        ["--version"],
-    ],
-)
-def test_fast_parse_leaves_everything_else_to_argparse(argv: list[str]) -> None:
-    assert _fastargs.parse(argv, cli._FAST_COMMANDS) is None
-
-
-def test_abbreviated_flag_still_works_through_argparse() -> None:
+def test_abbreviated_flag_works() -> None:
     out = io.StringIO()
     assert cli.main(["list", "--js"], out=out, err=io.StringIO()) == 0
     assert json.loads(out.getvalue())["backends"]
-
-
-@pytest.mark.parametrize(
-    "payload",
-    [
-        {},
-        [],
-        {"a": [], "b": {}, "c": [1, -2, 'x\u00e9\n"\\', None, True, False, {"d": (1, 2)}]},
-        "plain",
-        0,
-        None,
-        [[[]]],
-        {"float": 1.5},  # not handled natively: falls back to json
-        {1: "non-string key"},  # likewise
-    ],
-)
-def test_dumps_is_json_dumps_indent_2(payload: object) -> None:
-    assert _jsonout.dumps(payload) == json.dumps(payload, indent=2)
 
 
 def test_list_json_output_is_json_dumps_indent_2() -> None:
     out = io.StringIO()
     assert cli.main(["list", "--json"], out=out) == 0
     assert out.getvalue() == json.dumps(json.loads(out.getvalue()), indent=2) + "\n"
-
-
-def test_lazy_logger_reports_the_callers_location(caplog: pytest.LogCaptureFixture) -> None:
-    from attnhost._log import logger
-
-    with caplog.at_level("WARNING", logger="attnhost"):
-        logger.warning("hello %s", "there")
-    (record,) = caplog.records
-    assert record.getMessage() == "hello there"
-    assert record.funcName == "test_lazy_logger_reports_the_callers_location"
-    assert record.filename == "test_lazy_imports.py"
-
-
-def test_parser_class_is_an_argparse_parser() -> None:
-    assert issubclass(cli._parser_class(), argparse.ArgumentParser)

@@ -32,7 +32,7 @@ from attnhost import (
     UnknownBackendError,
 )
 from attnhost.host import _reset_for_tests
-from attnhost.resolve import resolve
+from attnhost.resolution import resolve
 from attnhost.server_args import SPECULATIVE_ATTENTION_MODES
 
 # A small pool, so plugins collide with each other, with the built-ins and with aliases.

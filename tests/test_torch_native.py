@@ -11,9 +11,10 @@ pytestmark = pytest.mark.torch
 
 import attnhost_builtin.torch_native as torch_native
 from attnhost.backend import AttentionBackend, AttentionLayer
-from attnhost.forward_batch import ForwardBatch, KVPool, KVPoolFullError
+from attnhost.errors import KVPoolFullError
+from attnhost.forward_batch import ForwardBatch, KVPool
 from attnhost.forward_mode import ForwardMode
-from attnhost.reference import reference_attention
+from attnhost.testing.reference import reference_attention
 from attnhost_builtin.torch_native import TorchNativeAttnBackend
 
 HEAD_DIM = 16

@@ -17,12 +17,7 @@ __all__ = ["Availability", "check_availability"]
 
 
 class Availability(NamedTuple):
-    """Whether a backend runs here and, if not, the one-line reason shown to users.
-
-    A ``NamedTuple`` rather than a frozen dataclass: same immutability and
-    value equality, without the ~0.3 ms of generating a dataclass at import
-    (``attnhost list`` imports this on every call).
-    """
+    """Whether a backend runs here and, if not, the one-line reason shown to users."""
 
     available: bool
     reason: str | None = None

@@ -15,6 +15,7 @@ from attnhost.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor
 
     from attnhost.forward_batch import ForwardBatch
 
@@ -166,7 +167,10 @@ class AttentionBackend(abc.ABC):
 
     Tensors: ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are
     ``[tokens, num_kv_heads, head_dim]`` for the new tokens of the batch, in
-    request order; the result is ``[tokens, num_heads, head_dim]``.
+    request order; the result is ``[tokens, num_heads, head_dim]``. A
+    subclass implements ``init_forward_metadata`` and ``forward_extend``;
+    one that implements no ``forward_extend`` cannot be instantiated
+    (``TypeError``), and ``forward_decode`` is optional.
     """
 
     prefill_attention_backend_str: str | None = None
@@ -182,38 +186,21 @@ class AttentionBackend(abc.ABC):
         """Precompute per-batch metadata once, before the layers run."""
 
     @abc.abstractmethod
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         """Attention for new tokens that attend to a cached prefix and causally to each other."""
 
-    @abc.abstractmethod
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        """Attention for one new token per request over its whole cached sequence."""
+    def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+        """Attention for one new token per request over its whole cached sequence.
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+        Decode is the one-new-token case of extend, so by default it is
+        ``forward_extend``; override it only where a decode kernel is faster.
+        """
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         """Route by forward mode: idle gives an empty result, decode decodes, the rest extend."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:

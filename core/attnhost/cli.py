@@ -8,23 +8,18 @@ status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
 
 from __future__ import annotations
 
-import os
+import argparse
+import logging
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from attnhost import _fastargs, _log
 from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError
+from attnhost.settings import DEBUG_ENV, env_flag
 
 if TYPE_CHECKING:
-    import argparse
-    import logging
     from collections.abc import Callable, Sequence
-    from types import SimpleNamespace
-    from typing import TypeAlias
 
     from attnhost.discovery import PluginInfo
-
-    Args: TypeAlias = argparse.Namespace | SimpleNamespace
 
 __all__ = ["main"]
 
@@ -32,63 +27,28 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
-# Start-up cost matters here (``attnhost list`` must beat a bare ``importlib.metadata``
-# scan, see BENCHMARKS.md): ``argparse`` (with ``gettext``/``locale``), ``json`` and
-# ``logging`` are imported only on the paths that use them (``--json`` output is
-# written by ``attnhost._jsonout``), and the common invocations are parsed without
-# ``argparse`` at all (``attnhost._fastargs``).
-
 
 class _UsageError(Exception):
     """Bad command-line input: reported as one line, exit status 2."""
 
 
-def _parser_class() -> type[argparse.ArgumentParser]:
-    import argparse
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, not a usage dump."""
 
-    class _Parser(argparse.ArgumentParser):
-        """An argparse parser whose errors are one line, not a usage dump."""
-
-        def error(self, message: str) -> NoReturn:
-            raise _UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
-
-    return _Parser
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: error: {message} (see `{self.prog} --help`)")
 
 
-class _CliLogging:
-    """Sends the ``attnhost`` logger's records to ``stream`` as ``attnhost: warning: ...`` lines.
+class _WarningFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"attnhost: {record.levelname.lower()}: {record.getMessage()}"
 
-    Installed lazily (:func:`attnhost._log.on_first_use`): importing
-    ``logging`` is skipped entirely when nothing is logged.
-    """
 
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.handler: logging.Handler | None = None
-        self._saved: tuple[int, bool] = (0, True)
+def _json(payload: object, out: TextIO) -> int:
+    import json  # only the --json paths need it
 
-    def install(self, logger: logging.Logger) -> None:
-        import logging
-
-        class _WarningFormatter(logging.Formatter):
-            def format(self, record: logging.LogRecord) -> str:
-                return f"attnhost: {record.levelname.lower()}: {record.getMessage()}"
-
-        handler = logging.StreamHandler(self.stream)
-        handler.setFormatter(_WarningFormatter())
-        self._saved = (logger.level, logger.propagate)
-        logger.addHandler(handler)
-        logger.setLevel(logging.WARNING)
-        logger.propagate = False
-        self.handler = handler
-
-    def remove(self) -> None:
-        """Undo :meth:`install` (level and propagation too), so in-process callers get their logger back."""
-        if not _log.cancel(self.install) and self.handler is not None:
-            logger = _log.get_logger()
-            logger.removeHandler(self.handler)
-            logger.setLevel(self._saved[0])
-            logger.propagate = self._saved[1]
+    out.write(json.dumps(payload, indent=2) + "\n")
+    return EXIT_OK
 
 
 def _table(rows: Sequence[Sequence[str]], out: TextIO) -> None:
@@ -142,7 +102,7 @@ def _backend_rows(platform: str, draft_only: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def _cmd_list(args: Args, out: TextIO) -> int:
+def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     from attnhost.host import default_host
     from attnhost.platform import current_platform, describe_detection
 
@@ -150,11 +110,7 @@ def _cmd_list(args: Args, out: TextIO) -> int:
     rows = _backend_rows(platform, args.draft)
     plugins = default_host().plugins()
     if args.json:
-        from attnhost._jsonout import dumps
-
-        payload = {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
-        out.write(dumps(payload) + "\n")
-        return EXIT_OK
+        return _json({"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}, out)
     table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE"]]
     for row in rows:
         name = row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
@@ -179,7 +135,7 @@ def _cmd_list(args: Args, out: TextIO) -> int:
 # -- plugins -------------------------------------------------------------------------------
 
 
-def _cmd_plugins(args: Args, out: TextIO) -> int:
+def _cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
     """Show every plugin, even in strict mode: this is the command for debugging a failure.
 
     Under ``ATTNHOST_STRICT=1`` the report is printed first and the strict
@@ -196,10 +152,7 @@ def _cmd_plugins(args: Args, out: TextIO) -> int:
 
 def _print_plugins(plugins: Sequence[PluginInfo], as_json: bool, out: TextIO) -> int:
     if as_json:
-        from attnhost._jsonout import dumps
-
-        out.write(dumps({"plugins": [p.to_json() for p in plugins]}) + "\n")
-        return EXIT_OK
+        return _json({"plugins": [p.to_json() for p in plugins]}, out)
     table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT / ERROR"]]
     for info in plugins:
         dist = f"{info.distribution} {info.version}" if info.distribution else "(in-process)"
@@ -220,7 +173,7 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
     from attnhost.availability import check_availability
     from attnhost.host import get_registry
     from attnhost.platform import current_platform
-    from attnhost.resolve import resolve
+    from attnhost.resolution import resolve
     from attnhost.server_args import ServerArgs
 
     platform = current_platform(args.platform)
@@ -236,14 +189,11 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
         )
     }
     if args.json:
-        from attnhost._jsonout import dumps
-
         payload = result.to_json()
         payload["availability"] = {
             role: {"available": a.available, "reason": a.reason} for role, a in availability.items()
         }
-        out.write(dumps(payload) + "\n")
-        return EXIT_OK
+        return _json(payload, out)
     rows = [
         ["platform", platform, "(from --platform)" if args.platform else ""],
         ["prefill", result.target.prefill, ""],
@@ -269,12 +219,9 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser_class = _parser_class()
-    parser = parser_class(
-        prog="attnhost", description="Inspect the attention backends attnhost discovers and resolves."
-    )
+    parser = _Parser(prog="attnhost", description="Inspect the attention backends attnhost discovers and resolves.")
     parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=parser_class)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     p_list = sub.add_parser("list", help="every known attention backend, where it came from, and whether it runs here")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
@@ -296,14 +243,6 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-# Flags of the commands _fastargs.parse handles, with their defaults, exactly as _build_parser declares them.
-_FAST_COMMANDS: dict[str, tuple[Callable[[Args, TextIO], int], dict[str, Any]]] = {
-    "list": (_cmd_list, {"json": False, "draft": False, "platform": None}),
-    "plugins": (_cmd_plugins, {"json": False}),
-}
-# ``resolve`` is never fast-parsed: its flags come from ServerArgs.add_cli_args.
-
-
 def _version() -> str:
     from attnhost import __version__
 
@@ -313,37 +252,25 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run the CLI; returns the exit status instead of exiting, for tests and embedding.
 
-    Called without ``argv`` it is the program (the console script and
-    ``python -m attnhost`` do that) and prepares a fast exit, see :func:`_fast_exit`.
+    The ``attnhost`` logger's records go to ``err`` as ``attnhost: warning: ...``
+    lines while it runs; the logger is left as it was found afterwards.
     """
-    is_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
     err = err or sys.stderr
-    cli_logging = _CliLogging(err)
-    _log.on_first_use(cli_logging.install)
+    logger = logging.getLogger("attnhost")
+    saved = (logger.level, logger.propagate)
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(_WarningFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
     try:
         return _run(argv, out, err)
     finally:
-        cli_logging.remove()
-        if is_program:
-            _fast_exit()
-
-
-def _fast_exit() -> None:
-    """Let the interpreter skip its shutdown garbage collection of everything we loaded.
-
-    At exit CPython runs full collections over every live object before the
-    process dies anyway; for ``attnhost list`` that was ~6 ms of ~45 ms wall
-    time (BENCHMARKS.md). ``gc.freeze()`` moves all objects to the permanent
-    generation, which collections skip. Nothing is lost: stdout/stderr are
-    still flushed and modules still finalised, and the cache file is written
-    with ``os.replace`` long before. Only done when ``main()`` is the program,
-    never for in-process callers.
-    """
-    import gc
-
-    gc.freeze()
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
 
 
 def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
@@ -351,15 +278,10 @@ def _run(argv: list[str], out: TextIO, err: TextIO) -> int:
         err.write(message.rstrip() + "\n")
         return status
 
-    debug = os.environ.get("ATTNHOST_DEBUG", "") not in ("", "0")
+    debug = env_flag(DEBUG_ENV)
     try:
-        args: Args | None = _fastargs.parse(argv, _FAST_COMMANDS)
-        if args is None:
-            args = _build_parser(argv).parse_args(argv)
-        handler: Callable[[Args, TextIO], int] = args.handler
-        if "logging" in sys.modules:
-            # Something imported logging meanwhile and may log to "attnhost" directly.
-            _log.get_logger()
+        args = _build_parser(argv).parse_args(argv)
+        handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
         return handler(args, out)
     except _UsageError as exc:
         return fail(str(exc), EXIT_USAGE)

@@ -28,7 +28,6 @@ __all__ = [
     "dispatch_attention_backend",
     "dispatch_table",
     "get_attn_backend",
-    "get_forward_context",
 ]
 
 
@@ -40,12 +39,11 @@ def dispatch_table(prefill: str, decode: str, speculative_attention_mode: str) -
 class ForwardContext:
     """What one runner's forwards dispatch on: its backend and the per-mode backend names."""
 
-    __slots__ = ("backend", "names", "owner")
+    __slots__ = ("backend", "names")
 
-    def __init__(self, backend: AttentionBackend, names: tuple[str, ...], owner: object = None) -> None:
+    def __init__(self, backend: AttentionBackend, names: tuple[str, ...]) -> None:
         self.backend = backend
         self.names = names
-        self.owner = owner
 
     def activate(self) -> _Activation:
         """A context manager making this the current context.
@@ -81,14 +79,6 @@ _NO_CONTEXT = (
     "no forward context is active: attention was dispatched outside a model runner's forward; "
     "wrap the forward in `with runner.forward_context():`"
 )
-
-
-def get_forward_context() -> ForwardContext:
-    """The active context; raises ``NoForwardContextError`` outside any."""
-    context = _CURRENT.get(None)
-    if context is None:
-        raise NoForwardContextError(_NO_CONTEXT)
-    return context
 
 
 def get_attn_backend() -> AttentionBackend:

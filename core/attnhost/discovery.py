@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -20,9 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from attnhost._log import logger
 from attnhost.entry_points import EntryPointRecord, normalize_name
-from attnhost.errors import RegistryFrozenError
+from attnhost.errors import PluginProblem, RegistryFrozenError, describe_exception, one_line, plugin_label, safe_repr
 from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
@@ -34,19 +34,17 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "GuardedPluginManager",
     "PluginInfo",
-    "PluginProblem",
     "PluginStatus",
     "ShorthandPlugin",
-    "describe_exception",
     "load_entry_points",
-    "one_line",
     "register_checked",
-    "safe_repr",
     "way_out",
 ]
 
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_DISTRIBUTION = "attnhost"
@@ -86,54 +84,14 @@ class PluginInfo:
     @property
     def origin(self) -> str:
         """``plugin 'x' (distribution y 1.0)``: how every message names a plugin."""
-        if self.distribution is None:
-            return f"plugin {self.name!r} (registered in-process)"
-        return f"plugin {self.name!r} (distribution {self.distribution} {self.version})"
+        return plugin_label(self.name, self.distribution, self.version)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "distribution": self.distribution,
-            "version": self.version,
-            "value": self.value,
-            "status": self.status.value,
-            "error": self.error,
-            "backends": list(self.backends),
-            "warnings": list(self.warnings),
-            "builtin": self.builtin,
-        }
-
-
-class PluginProblem(Exception):
-    """Why a plugin object cannot be registered; the message completes "plugin X ...: "."""
-
-
-def one_line(text: str) -> str:
-    """``text`` with its line breaks folded into spaces: every warning about a plugin is one line."""
-    return " ".join(text.split())
-
-
-def safe_repr(obj: object, limit: int = 60) -> str:
-    """A one-line, bounded ``repr`` that survives objects whose ``__repr__`` raises (hostile plugins)."""
-    try:
-        text = one_line(repr(obj))
-    except Exception:  # a plugin's __repr__ is other people's code
-        text = f"<{type(obj).__name__} object with a broken __repr__>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it.
-
-    The message is a plugin's own ``__str__``, so it may span lines or even
-    raise; neither may break the host or its one-line-per-problem output.
-    """
-    try:
-        lines = str(exc).strip().splitlines()
-    except Exception:
-        lines = ["<exception with a broken __str__>"]
-    kind = type(exc).__name__
-    return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind
+        """What ``--json`` shows: every field but the path entry it was found on."""
+        fields = ("name", "distribution", "version", "value", "status", "error", "backends", "warnings", "builtin")
+        out: dict[str, Any] = {name: getattr(self, name) for name in fields}
+        out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
+        return out
 
 
 class ShorthandPlugin:
@@ -163,8 +121,8 @@ class ShorthandPlugin:
 
 def as_plugin(name: str, obj: object) -> object:
     """Wrap an ``AttentionBackend`` subclass as a shorthand plugin; anything else is taken as-is."""
-    # attnhost.backend is imported lazily (import time: see BENCHMARKS.md); until some
-    # module imports it, no object can be one of its subclasses.
+    # Looked up, not imported: until some module imports attnhost.backend, no object can be
+    # one of its subclasses, and discovery need not pay for importing it.
     backend_module = sys.modules.get("attnhost.backend")
     base: type[AttentionBackend] | None = getattr(backend_module, "AttentionBackend", None)
     if base is not None and inspect.isclass(obj) and issubclass(obj, base):
@@ -202,7 +160,7 @@ class GuardedPluginManager(pluggy.PluginManager):
 
 
 def _unknown_hook_message(hook_name: str) -> str:
-    import difflib  # only on this error path: it costs ~1 ms to import
+    import difflib  # only on this error path
 
     close = difflib.get_close_matches(hook_name, HOOK_NAMES, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -242,13 +200,9 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
                 f"defines {', '.join(undecorated)} without the @attnhost.hookimpl decorator, so it implements no hook"
             )
         raise PluginProblem(
-            f"its entry point object ({type(plugin).__name__} {_short_repr(plugin)}) is neither an "
+            f"its entry point object ({type(plugin).__name__} {safe_repr(plugin)}) is neither an "
             "attnhost.AttentionBackend subclass nor a plugin with @attnhost.hookimpl functions"
         )
-
-
-def _short_repr(obj: object) -> str:
-    return safe_repr(obj, 60)
 
 
 def _read_small(path: str) -> str | None:

@@ -22,10 +22,10 @@ collective's failure is re-raised as :class:`RankCheckError`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from attnhost.errors import AttnhostError
+from attnhost.errors import RankCheckError, RankMismatchError, describe_exception, plugin_label
 
 if TYPE_CHECKING:
     from attnhost.server_args import ServerArgs
@@ -47,19 +47,12 @@ BackendRow = tuple[str, str, bool]
 """``(name, owning plugin, draft-capable)`` of one registered backend."""
 
 
-class RankCheckError(AttnhostError, RuntimeError):
-    """The rank agreement check could not complete (e.g. a rank never joined before the group's timeout)."""
-
-
-class RankMismatchError(RankCheckError):
-    """Ranks discovered different plugins or resolved different backends; raised on every rank."""
-
-
 @dataclass(frozen=True, slots=True)
 class RankFingerprint:
     """What one rank would run: its plugins, its registry and its resolution (or why it has none)."""
 
-    rank: int
+    rank: int = field(compare=False)
+    """Which rank this is; the rest is compared (``==``) across ranks."""
     platform: str | None
     plugins: tuple[PluginRow, ...]
     backends: tuple[BackendRow, ...]
@@ -67,15 +60,6 @@ class RankFingerprint:
     """``(prefill, decode, draft)`` for the args given to the check."""
     error: str | None = None
     """Why this rank could not load or resolve (a strict-mode failure, an unknown backend, ...)."""
-
-    def same_as(self, other: RankFingerprint) -> bool:
-        return (self.platform, self.plugins, self.backends, self.resolved, self.error) == (
-            other.platform,
-            other.plugins,
-            other.backends,
-            other.resolved,
-            other.error,
-        )
 
 
 ArgsLike = Union["ServerArgs", Mapping[str, Any], None]
@@ -89,7 +73,6 @@ def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, ran
     here — so a rank missing a backend named in them reports that instead of
     failing before the collective. ``None`` means default ``ServerArgs()``.
     """
-    from attnhost.discovery import describe_exception
     from attnhost.host import default_host
 
     host = default_host()
@@ -98,7 +81,7 @@ def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, ran
     try:
         plugins = tuple((info.name, info.distribution, info.version, info.status.value) for info in host.plugins())
         from attnhost.platform import current_platform
-        from attnhost.resolve import resolve
+        from attnhost.resolution import resolve
         from attnhost.server_args import ServerArgs
 
         resolved_platform = current_platform(platform)
@@ -117,11 +100,6 @@ def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, ran
     )
 
 
-def _plugin_label(row: PluginRow) -> str:
-    name, dist, version, _ = row
-    return f"plugin {name!r} ({dist} {version})" if dist else f"plugin {name!r} (in-process)"
-
-
 def _plugin_differences(ref: RankFingerprint, other: RankFingerprint) -> list[str]:
     mine = {row[0]: row for row in ref.plugins}
     theirs = {row[0]: row for row in other.plugins}
@@ -132,13 +110,13 @@ def _plugin_differences(ref: RankFingerprint, other: RankFingerprint) -> list[st
             continue
         if b is None:
             assert a is not None
-            out.append(f"{_plugin_label(a)} missing (rank {ref.rank}: {a[3]})")
+            out.append(f"{plugin_label(*a[:3])} missing (rank {ref.rank}: {a[3]})")
         elif a is None:
-            out.append(f"{_plugin_label(b)} extra ({b[3]}; rank {ref.rank} has no such plugin)")
+            out.append(f"{plugin_label(*b[:3])} extra ({b[3]}; rank {ref.rank} has no such plugin)")
         elif a[1:3] != b[1:3]:
             out.append(f"plugin {name!r} is {b[1]} {b[2]} on rank {other.rank} but {a[1]} {a[2]} on rank {ref.rank}")
         else:
-            out.append(f"{_plugin_label(b)} is {b[3]} on rank {other.rank} but {a[3]} on rank {ref.rank}")
+            out.append(f"{plugin_label(*b[:3])} is {b[3]} on rank {other.rank} but {a[3]} on rank {ref.rank}")
     return out
 
 
@@ -192,7 +170,7 @@ def compare_fingerprints(fingerprints: Sequence[RankFingerprint]) -> str | None:
         return None
     ordered = sorted(fingerprints, key=lambda fp: fp.rank)
     ref = ordered[0]
-    differing = [fp for fp in ordered[1:] if not fp.same_as(ref)]
+    differing = [fp for fp in ordered[1:] if fp != ref]
     if not differing:
         return None
     ranks = ", ".join(str(fp.rank) for fp in differing)
@@ -226,8 +204,6 @@ def check_ranks_agree(
     try:
         dist.all_gather_object(gathered, mine, group=group)
     except Exception as exc:
-        from attnhost.discovery import describe_exception
-
         raise RankCheckError(
             f"rank {mine.rank}: gathering every rank's attention fingerprint failed ({describe_exception(exc)}); "
             "every rank of the group must call check_ranks_agree, within the group's timeout"

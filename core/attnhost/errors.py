@@ -1,8 +1,10 @@
-"""The exceptions attnhost raises.
+"""Every exception attnhost raises, and the helpers that turn other people's objects into one line of text.
 
 Every message is one sentence that names the culprit (plugin, distribution or
 backend) and says how to get out; callers such as the CLI print ``str(exc)``
-as-is, so no message may depend on a traceback to make sense.
+as-is, so no message may depend on a traceback to make sense. The text
+helpers live here, at the bottom, so that any layer can format a plugin's
+exception without importing the plugin loader.
 """
 
 from __future__ import annotations
@@ -10,11 +12,20 @@ from __future__ import annotations
 __all__ = [
     "AttnhostError",
     "BackendUnavailableError",
+    "InvalidPluginError",
+    "KVPoolFullError",
     "NoForwardContextError",
     "PlatformError",
     "PluginLoadError",
+    "PluginProblem",
+    "RankCheckError",
+    "RankMismatchError",
     "RegistryFrozenError",
     "UnknownBackendError",
+    "describe_exception",
+    "one_line",
+    "plugin_label",
+    "safe_repr",
 ]
 
 
@@ -47,5 +58,64 @@ class PluginLoadError(AttnhostError, RuntimeError):
     """One or more plugins failed to load while ``ATTNHOST_STRICT=1`` is set."""
 
 
+class InvalidPluginError(AttnhostError, ValueError):
+    """An in-process plugin object that cannot be registered."""
+
+
+class PluginProblem(Exception):
+    """Internal: why a plugin object cannot be registered; the message completes "plugin X ...: ".
+
+    Not an ``AttnhostError``: it never leaves attnhost, the loader turns it into a failed
+    plugin record (or :class:`InvalidPluginError` for an in-process registration).
+    """
+
+
 class NoForwardContextError(AttnhostError, RuntimeError):
     """Attention was dispatched outside ``ModelRunner.forward_context()``."""
+
+
+class KVPoolFullError(AttnhostError, RuntimeError):
+    """The KV pool has too few free token slots or request slots for an allocation."""
+
+
+class RankCheckError(AttnhostError, RuntimeError):
+    """The rank agreement check could not complete (e.g. a rank never joined before the group's timeout)."""
+
+
+class RankMismatchError(RankCheckError):
+    """Ranks discovered different plugins or resolved different backends; raised on every rank."""
+
+
+def plugin_label(name: str, distribution: str | None, version: str | None) -> str:
+    """``plugin 'x' (distribution y 1.0)``: how every message names a plugin."""
+    if distribution is None:
+        return f"plugin {name!r} (registered in-process)"
+    return f"plugin {name!r} (distribution {distribution} {version})"
+
+
+def one_line(text: str) -> str:
+    """``text`` with its line breaks folded into spaces: every warning about a plugin is one line."""
+    return " ".join(text.split())
+
+
+def safe_repr(obj: object, limit: int = 60) -> str:
+    """A one-line, bounded ``repr`` that survives objects whose ``__repr__`` raises (hostile plugins)."""
+    try:
+        text = one_line(repr(obj))
+    except Exception:  # a plugin's __repr__ is other people's code
+        text = f"<{type(obj).__name__} object with a broken __repr__>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it.
+
+    The message is a plugin's own ``__str__``, so it may span lines or even
+    raise; neither may break the host or its one-line-per-problem output.
+    """
+    try:
+        lines = str(exc).strip().splitlines()
+    except Exception:
+        lines = ["<exception with a broken __str__>"]
+    kind = type(exc).__name__
+    return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind

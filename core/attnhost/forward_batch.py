@@ -20,17 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from attnhost.backend import KVCache
-from attnhost.errors import AttnhostError
+from attnhost.errors import KVPoolFullError
 from attnhost.forward_mode import ForwardMode
 
-__all__ = ["ForwardBatch", "KVPool", "KVPoolFullError", "RequestSpec"]
+__all__ = ["ForwardBatch", "KVPool", "RequestSpec"]
 
 RequestSpec = tuple[int, int, int]
 """``(req_pool_index, prefix_len, extend_len)`` as accepted by ``ForwardBatch.prepare``."""
-
-
-class KVPoolFullError(AttnhostError, RuntimeError):
-    """The KV pool has too few free token slots or request slots for an allocation."""
 
 
 class KVPool:
@@ -95,11 +91,10 @@ class KVPool:
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer.
 
-        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU (torch
-        2.13) opens an OpenMP parallel region even for a handful of rows and,
-        on cores shared with other work, waits for descheduled threads —
-        measured 5.4 ms for 16 decode tokens against ~6 us for ``index_copy_``
-        (BENCHMARKS.md). Both leave one unspecified winner for duplicate slots.
+        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU opens an
+        OpenMP parallel region even for a handful of rows and, on cores shared
+        with other work, waits for descheduled threads (BENCHMARKS.md). Both
+        leave one unspecified winner for duplicate slots.
         """
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:

@@ -1,8 +1,8 @@
 """The pluggy hook specifications: the whole surface a plugin can implement.
 
 Importing this module imports pluggy, so ``attnhost/__init__`` exposes
-``hookimpl``/``hookspec`` lazily: a process that never loads plugins never
-pays for it.
+``hookimpl`` lazily: a process that never loads plugins never pays for it.
+The spec marker stays private: plugins implement hooks, they do not add them.
 """
 
 from __future__ import annotations
@@ -13,28 +13,28 @@ import pluggy
 
 from attnhost.spec import BackendSpec
 
-__all__ = ["PROJECT_NAME", "AttnhostHookSpecs", "hookimpl", "hookspec"]
+__all__ = ["HOOK_NAMES", "PROJECT_NAME", "AttnhostHookSpecs", "hookimpl"]
 
 PROJECT_NAME = "attnhost"
 
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+_hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 class AttnhostHookSpecs:
     """Hooks a plugin may implement (decorate module functions with ``@attnhost.hookimpl``)."""
 
-    @hookspec
+    @_hookspec
     def attnhost_attention_backends(self) -> Sequence[BackendSpec]:
         """Return the attention backends this plugin provides (all usable by target models)."""
         raise NotImplementedError
 
-    @hookspec
+    @_hookspec
     def attnhost_draft_attention_backends(self) -> Sequence[str]:
         """Return the names (of any plugin's backends) that speculative draft workers may use."""
         raise NotImplementedError
 
-    @hookspec(firstresult=True)
+    @_hookspec(firstresult=True)
     def attnhost_draft_fallback(self, platform: str) -> str | None:
         """Return the draft backend to fall back to on ``platform``, or None to let others answer.
 
@@ -43,7 +43,7 @@ class AttnhostHookSpecs:
         """
         raise NotImplementedError
 
-    @hookspec(firstresult=True)
+    @_hookspec(firstresult=True)
     def attnhost_default_attention_backend(self, platform: str) -> str | None:
         """Return the target backend to use on ``platform`` when no flag names one, or None."""
         raise NotImplementedError

@@ -8,6 +8,7 @@ calls all see plugins loaded exactly once per process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -17,25 +18,24 @@ from dataclasses import replace
 import pluggy
 
 from attnhost import entry_points
-from attnhost._log import logger
 from attnhost.discovery import (
     ENTRY_POINT_GROUP,
     GuardedPluginManager,
     PluginInfo,
-    PluginProblem,
     PluginStatus,
     as_plugin,
     load_entry_points,
     register_checked,
 )
-from attnhost.errors import AttnhostError, PluginLoadError, RegistryFrozenError
+from attnhost.errors import AttnhostError, InvalidPluginError, PluginLoadError, PluginProblem, RegistryFrozenError
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
 from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
-__all__ = ["InvalidPluginError", "PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
+__all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
 
+logger = logging.getLogger(__name__)
 
 DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
 """The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
@@ -72,7 +72,6 @@ class PluginHost:
         self._frozen = False
         self._frozen_by = "the first ServerArgs"
         self._strict_error: PluginLoadError | None = None
-        self._pid = os.getpid()
         self._loading: GuardedPluginManager | None = None
         """The manager being filled while entry points are imported (re-entrant calls get it)."""
         self._building = False
@@ -253,17 +252,12 @@ class PluginHost:
         # The child inherits loaded modules and a consistent registry; only the lock
         # may have been held by a thread that no longer exists.
         self._lock = threading.RLock()
-        self._pid = os.getpid()
         if self._loading is not None or self._building:
             # Forked while another thread was mid-load or mid-build: that thread does not exist
             # here, so start that step over rather than serve its half-finished state.
             self._loading = None
             self._building = False
             self._registry = None
-
-
-class InvalidPluginError(AttnhostError, ValueError):
-    """An in-process plugin object that cannot be registered."""
 
 
 def _in_process_info(name: str, plugin: object) -> PluginInfo:

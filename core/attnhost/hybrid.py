@@ -14,7 +14,7 @@ from attnhost.backend import AttentionBackend, AttentionLayer
 from attnhost.forward_mode import ForwardMode, uses_decode_backend
 
 if TYPE_CHECKING:
-    import torch
+    from torch import Tensor
 
     from attnhost.forward_batch import ForwardBatch
 
@@ -35,33 +35,11 @@ class HybridAttnBackend(AttentionBackend):
             for mode in ForwardMode
         )
 
-    def select(self, mode: ForwardMode) -> AttentionBackend:
-        """The sub-backend that serves ``mode``."""
-        return self._by_mode[mode]
-
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._by_mode[forward_batch.forward_mode].init_forward_metadata(forward_batch)
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        backend = self._by_mode[forward_batch.forward_mode]
-        return backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        backend = self._by_mode[forward_batch.forward_mode]
-        return backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+        # The sub-backend's own forward() picks its decode or extend method for the batch's mode,
+        # so one routing method serves both (the base's forward_decode lands here too).
+        return self._by_mode[forward_batch.forward_mode].forward(q, k, v, layer, forward_batch, save_kv_cache)

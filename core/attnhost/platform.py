@@ -1,10 +1,10 @@
 """Which accelerator platform this process runs on, told without importing torch.
 
-Importing torch costs seconds and can initialise a device; every CLI call and
+Importing torch is slow and can initialise a device; every CLI call and
 every worker asks this question first. torch records its build flavour in
 ``torch/version.py`` (``hip``, ``cuda``, ``xpu``), so reading that file
 answers it; Ascend's ``torch_npu`` is a separate package whose presence
-suffices. Only questions about live devices (``device_available``) import torch.
+suffices.
 """
 
 from __future__ import annotations
@@ -16,19 +16,18 @@ import re
 import sys
 
 from attnhost.errors import PlatformError
+from attnhost.settings import PLATFORM_ENV, env_text
 
 __all__ = [
     "KNOWN_PLATFORMS",
-    "PLATFORM_ENV",
     "current_platform",
+    "describe_detection",
     "detect_platform",
-    "device_available",
     "module_installed",
     "normalize_platform",
     "torch_build_info",
 ]
 
-PLATFORM_ENV = "ATTNHOST_PLATFORM"
 KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
 _SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
 _VERSION_LINE = re.compile(r"^(__version__|hip|cuda|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
@@ -40,7 +39,7 @@ def normalize_platform(name: str, *, origin: str = "") -> str:
     key = _SPELLINGS.get(key, key)
     if key in KNOWN_PLATFORMS:
         return key
-    import difflib  # only on this error path: it costs ~1 ms to import
+    import difflib  # only on this error path
 
     close = difflib.get_close_matches(key, KNOWN_PLATFORMS, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -108,7 +107,7 @@ def current_platform(override: str | None = None) -> str:
     """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection."""
     if override:
         return normalize_platform(override)
-    from_env = os.environ.get(PLATFORM_ENV, "").strip()
+    from_env = env_text(PLATFORM_ENV)
     if from_env:
         return normalize_platform(from_env, origin=PLATFORM_ENV)
     return detect_platform()
@@ -116,32 +115,10 @@ def current_platform(override: str | None = None) -> str:
 
 def describe_detection() -> str:
     """One line saying where the platform came from, for ``attnhost list`` and traces."""
-    if os.environ.get(PLATFORM_ENV, "").strip():
+    if env_text(PLATFORM_ENV):
         return f"from {PLATFORM_ENV}"
     info = torch_build_info()
     if not info:
         return "detected: torch is not installed"
     version = info.get("__version__") or "unknown version"
     return f"detected from torch {version} build metadata"
-
-
-def device_available(platform: str) -> bool:
-    """Whether a device of ``platform`` is usable now; imports torch, so call it only at run time."""
-    platform = normalize_platform(platform)
-    if platform == "cpu":
-        return True
-    import torch
-
-    if platform in ("cuda", "rocm"):
-        return bool(torch.cuda.is_available())
-    if platform == "xpu":
-        return bool(hasattr(torch, "xpu") and torch.xpu.is_available())
-    if platform == "mps":
-        return bool(torch.backends.mps.is_available())
-    if platform == "npu":
-        try:
-            importlib.import_module("torch_npu")  # registers torch.npu
-        except ImportError:
-            return False
-        return bool(torch.npu.is_available())  # type: ignore[attr-defined]
-    return False

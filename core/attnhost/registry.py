@@ -8,6 +8,7 @@ corrupt it the way SGLang's module-level lists could be.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -15,13 +16,14 @@ from typing import Any, Literal
 
 import pluggy
 
-from attnhost._log import logger
-from attnhost.discovery import PluginInfo, PluginStatus, describe_exception, one_line, safe_repr, way_out
-from attnhost.errors import UnknownBackendError
+from attnhost.discovery import PluginInfo, PluginStatus, way_out
+from attnhost.errors import UnknownBackendError, describe_exception, one_line, plugin_label, safe_repr
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
 
+
+logger = logging.getLogger(__name__)
 
 Role = Literal["target", "draft"]
 
@@ -41,6 +43,11 @@ class BackendEntry:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def label(self) -> str:
+        """How messages name the plugin that gave this backend."""
+        return plugin_label(self.plugin, self.distribution, self.version)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -91,7 +98,7 @@ class Registry(Mapping[str, BackendSpec]):
     def unknown_message(self, name: object, what: str = "attention backend") -> str:
         """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
         known = list(self._order) + list(self._aliases)
-        import difflib  # only for an unknown name: it costs ~1 ms to import
+        import difflib  # only for an unknown name
 
         close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
         if close:
@@ -214,12 +221,6 @@ class _Merger:
         canonical = name if name in self.entries else self.aliases.get(name)
         return self.entries.get(canonical) if canonical else None
 
-    @staticmethod
-    def _label(entry: BackendEntry) -> str:
-        if entry.distribution is None:
-            return f"plugin {entry.plugin!r} (registered in-process)"
-        return f"plugin {entry.plugin!r} (distribution {entry.distribution} {entry.version})"
-
     def add_spec(self, plugin: PluginInfo, spec: BackendSpec) -> None:
         existing = self._owner(spec.name)
         if existing is None:
@@ -229,7 +230,7 @@ class _Merger:
             self._note(
                 plugin,
                 f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
-                f"{existing.name!r} from {self._label(existing)}; ignored — rename the backend",
+                f"{existing.name!r} from {existing.label}; ignored — rename the backend",
             )
             return
         elif spec.implemented and not existing.spec.implemented:
@@ -251,7 +252,7 @@ class _Merger:
         elif spec.implemented:
             self._note(
                 plugin,
-                f"backend {spec.name!r} is implemented by both {self._label(existing)} and {plugin.origin}; "
+                f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; "
                 f"keeping {existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS",
             )
             return
@@ -268,7 +269,7 @@ class _Merger:
             self._note(
                 plugin,
                 f"{plugin.origin} gives backend {canonical!r} the alias {alias!r}, which already names "
-                f"{owner.name!r} from {self._label(owner)}; alias ignored",
+                f"{owner.name!r} from {owner.label}; alias ignored",
             )
 
     def add_draft(self, plugin: PluginInfo, name: str) -> None:

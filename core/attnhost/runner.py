@@ -17,14 +17,13 @@ import torch
 from attnhost.availability import check_availability
 from attnhost.backend import AttentionBackend, AttentionLayer
 from attnhost.context import ForwardContext, dispatch_table
-from attnhost.discovery import describe_exception
-from attnhost.errors import BackendUnavailableError
+from attnhost.errors import BackendUnavailableError, describe_exception
 from attnhost.forward_batch import ForwardBatch, KVPool
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
 from attnhost.platform import current_platform
-from attnhost.resolve import (
+from attnhost.resolution import (
     DraftResolution,
     TargetResolution,
     resolve_attention_backends,
@@ -94,7 +93,7 @@ class ModelRunner:
         self.attn_backend.prefill_attention_backend_str = prefill
         self.attn_backend.decode_attention_backend_str = decode
         self._stamps: tuple[str | None, str | None] = (prefill, decode)
-        self._context = ForwardContext(self.attn_backend, self._dispatch_names(), owner=self)
+        self._context = ForwardContext(self.attn_backend, self._dispatch_names())
 
     @property
     def role(self) -> str:
@@ -157,7 +156,7 @@ class ModelRunner:
         if stamps != self._stamps:
             # The stamps changed since the last forward: honour them, as SGLang reads them per forward.
             self._stamps = stamps
-            context = self._context = ForwardContext(backend, self._dispatch_names(), owner=self)
+            context = self._context = ForwardContext(backend, self._dispatch_names())
         return context.activate()
 
     # -- convenience for models and tests ------------------------------------------

@@ -20,167 +20,66 @@ __all__ = ["DRAFT_CAPABLE", "SGLANG_BACKENDS"]
 _CUDA = ("cuda",)
 _ROCM = ("rocm",)
 _GPU = ("cuda", "rocm")
+_SGL = ("sgl_kernel", "sgl-kernel")
+_FLASHINFER = ("flashinfer", "flashinfer-python")
 
-SGLANG_BACKENDS: tuple[BackendSpec, ...] = (
-    BackendSpec(
-        name="triton",
-        platforms=("cuda", "rocm", "xpu"),
-        requires=("triton",),
-        provided_by="triton",
-        description="Triton kernels (SGLang's portable GPU backend)",
+_DECLARED: tuple[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, str], str], ...] = (
+    # name, aliases, platforms, (kernel module, the pip distribution providing it), description
+    ("triton", (), ("cuda", "rocm", "xpu"), ("triton", "triton"), "Triton kernels (SGLang's portable GPU backend)"),
+    ("flex_attention", (), ("cuda", "cpu"), ("torch", "torch"), "PyTorch FlexAttention"),
+    ("dsa", ("nsa",), _GPU, _SGL, "DeepSeek sparse attention (formerly 'nsa')"),
+    ("qsa", (), _CUDA, _SGL, "Sparse attention for Qwen-style models"),
+    ("dsv4", ("compressed",), _CUDA, _SGL, "DeepSeek-V4 compressed attention (formerly 'compressed')"),
+    ("fa3", (), _CUDA, _SGL, "FlashAttention-3 (Hopper)"),
+    ("fa4", (), _CUDA, ("flash_attn", "flash-attn"), "FlashAttention-4 (CuTe DSL, Blackwell)"),
+    ("flashinfer", (), _CUDA, _FLASHINFER, "FlashInfer kernels (SGLang's default on CUDA)"),
+    (
+        "llada2_cfg_flashinfer",
+        (),
+        _CUDA,
+        _FLASHINFER,
+        "FlashInfer with classifier-free guidance for LLaDA2 diffusion models",
     ),
-    BackendSpec(
-        name="torch_native",
-        factory="attnhost_builtin.torch_native:TorchNativeAttnBackend",
-        requires=("torch",),
-        provided_by="torch",
-        description="PyTorch scaled_dot_product_attention over the token-slot KV cache; runs anywhere",
+    ("flashmla", (), _CUDA, _SGL, "FlashMLA for multi-head latent attention models"),
+    ("trtllm_mla", (), _CUDA, _FLASHINFER, "TensorRT-LLM MLA kernels via FlashInfer (Blackwell)"),
+    (
+        "cutedsl_mla",
+        ("tokenspeed_mla",),
+        _CUDA,
+        ("cutlass", "nvidia-cutlass-dsl"),
+        "CuTe DSL MLA kernels (formerly 'tokenspeed_mla')",
     ),
-    BackendSpec(
-        name="flex_attention",
-        platforms=("cuda", "cpu"),
-        requires=("torch",),
-        provided_by="torch",
-        description="PyTorch FlexAttention",
+    (
+        "trtllm_mha",
+        (),
+        _CUDA,
+        _FLASHINFER,
+        "TensorRT-LLM MHA kernels via FlashInfer; as a draft backend only for decode-only dense-MQA draft models",
     ),
-    BackendSpec(
-        name="dsa",
-        aliases=("nsa",),
-        platforms=_GPU,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="DeepSeek sparse attention (formerly 'nsa')",
-    ),
-    BackendSpec(
-        name="qsa",
-        platforms=_CUDA,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="Sparse attention for Qwen-style models",
-    ),
-    BackendSpec(
-        name="dsv4",
-        aliases=("compressed",),
-        platforms=_CUDA,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="DeepSeek-V4 compressed attention (formerly 'compressed')",
-    ),
-    BackendSpec(
-        name="fa3",
-        platforms=_CUDA,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="FlashAttention-3 (Hopper)",
-    ),
-    BackendSpec(
-        name="fa4",
-        platforms=_CUDA,
-        requires=("flash_attn",),
-        provided_by="flash-attn",
-        description="FlashAttention-4 (CuTe DSL, Blackwell)",
-    ),
-    BackendSpec(
-        name="flashinfer",
-        platforms=_CUDA,
-        requires=("flashinfer",),
-        provided_by="flashinfer-python",
-        description="FlashInfer kernels (SGLang's default on CUDA)",
-    ),
-    BackendSpec(
-        name="llada2_cfg_flashinfer",
-        platforms=_CUDA,
-        requires=("flashinfer",),
-        provided_by="flashinfer-python",
-        description="FlashInfer with classifier-free guidance for LLaDA2 diffusion models",
-    ),
-    BackendSpec(
-        name="flashmla",
-        platforms=_CUDA,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="FlashMLA for multi-head latent attention models",
-    ),
-    BackendSpec(
-        name="trtllm_mla",
-        platforms=_CUDA,
-        requires=("flashinfer",),
-        provided_by="flashinfer-python",
-        description="TensorRT-LLM MLA kernels via FlashInfer (Blackwell)",
-    ),
-    BackendSpec(
-        name="cutedsl_mla",
-        aliases=("tokenspeed_mla",),
-        platforms=_CUDA,
-        requires=("cutlass",),
-        provided_by="nvidia-cutlass-dsl",
-        description="CuTe DSL MLA kernels (formerly 'tokenspeed_mla')",
-    ),
-    BackendSpec(
-        name="trtllm_mha",
-        platforms=_CUDA,
-        requires=("flashinfer",),
-        provided_by="flashinfer-python",
-        description="TensorRT-LLM MHA kernels via FlashInfer; as a draft backend only for "
-        "decode-only dense-MQA draft models",
-    ),
-    BackendSpec(
-        name="hpc_ops",
-        platforms=_CUDA,
-        requires=("hpc_ops",),
-        provided_by="hpc-ops",
-        description="HPC-Ops attention kernels",
-    ),
-    BackendSpec(
-        name="minicpm_flashattn",
-        platforms=_CUDA,
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="FlashAttention for MiniCPM sparse attention",
-    ),
-    BackendSpec(
-        name="minicpm_flashinfer",
-        platforms=_CUDA,
-        requires=("flashinfer",),
-        provided_by="flashinfer-python",
-        description="FlashInfer for MiniCPM sparse attention",
-    ),
-    BackendSpec(
-        name="aiter",
-        platforms=_ROCM,
-        requires=("aiter",),
-        provided_by="aiter",
-        description="AMD AITER kernels (ROCm)",
-    ),
-    BackendSpec(
-        name="wave",
-        platforms=_ROCM,
-        requires=("wave_lang",),
-        provided_by="wave-lang",
-        description="AMD Wave kernels (ROCm)",
-    ),
-    BackendSpec(
-        name="intel_amx",
-        platforms=("cpu",),
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="Intel AMX kernels for Xeon CPUs",
-    ),
-    BackendSpec(
-        name="ascend",
-        platforms=("npu",),
-        requires=("torch_npu",),
-        provided_by="torch-npu",
-        description="Huawei Ascend NPU kernels",
-    ),
-    BackendSpec(
-        name="intel_xpu",
-        platforms=("xpu",),
-        requires=("sgl_kernel",),
-        provided_by="sgl-kernel",
-        description="Intel GPU (XPU) kernels",
-    ),
+    ("hpc_ops", (), _CUDA, ("hpc_ops", "hpc-ops"), "HPC-Ops attention kernels"),
+    ("minicpm_flashattn", (), _CUDA, _SGL, "FlashAttention for MiniCPM sparse attention"),
+    ("minicpm_flashinfer", (), _CUDA, _FLASHINFER, "FlashInfer for MiniCPM sparse attention"),
+    ("aiter", (), _ROCM, ("aiter", "aiter"), "AMD AITER kernels (ROCm)"),
+    ("wave", (), _ROCM, ("wave_lang", "wave-lang"), "AMD Wave kernels (ROCm)"),
+    ("intel_amx", (), ("cpu",), _SGL, "Intel AMX kernels for Xeon CPUs"),
+    ("ascend", (), ("npu",), ("torch_npu", "torch-npu"), "Huawei Ascend NPU kernels"),
+    ("intel_xpu", (), ("xpu",), _SGL, "Intel GPU (XPU) kernels"),
 )
+
+_TORCH_NATIVE = BackendSpec(
+    name="torch_native",
+    factory="attnhost_builtin.torch_native:TorchNativeAttnBackend",
+    requires=("torch",),
+    provided_by="torch",
+    description="PyTorch scaled_dot_product_attention over the token-slot KV cache; runs anywhere",
+)
+_DECLARED_SPECS = tuple(
+    BackendSpec(name=name, aliases=aliases, platforms=platforms, requires=(module,), provided_by=dist, description=text)
+    for name, aliases, platforms, (module, dist), text in _DECLARED
+)
+
+SGLANG_BACKENDS: tuple[BackendSpec, ...] = (_DECLARED_SPECS[0], _TORCH_NATIVE, *_DECLARED_SPECS[1:])
+"""SGLang 0.5.23's attention backends, in SGLang's order: ``torch_native`` implemented, the rest declared only."""
 
 DRAFT_CAPABLE: tuple[str, ...] = ("flashinfer", "fa3", "fa4", "triton", "ascend", "trtllm_mha", "intel_xpu")
 """SGLang's ``DRAFT_ATTENTION_BACKEND_CHOICES``; ``trtllm_mha`` only for decode-only dense-MQA drafts."""

@@ -9,9 +9,9 @@ per request plus the cache write.  Two measured choices shape the code:
   requests pay for a gather.
 * For GQA/MQA the ``group`` query heads that share a KV head are folded into
   the query-length axis (``[kv_heads, group * tokens, dim]``), so SDPA sees a
-  plain multi-head problem.  On CPU this is 4-30x faster than
-  ``enable_gqa=True`` for decode and short extends (``enable_gqa`` falls back
-  to a slow path for few queries) and never slower for long ones.  The one
+  plain multi-head problem.  On CPU ``enable_gqa=True`` falls back to a slow
+  path for few queries, so folding wins for decode and short extends and
+  never loses for long ones (BENCHMARKS.md).  The one
   exception is a long prefill without prefix: there ``is_causal=True`` avoids
   materialising a ``group * tokens * tokens`` mask at the same speed.
 """
@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from attnhost.backend import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from attnhost.backend import AttentionRunner
     from attnhost.forward_batch import ForwardBatch
 
@@ -160,38 +162,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             longest_gather=max((plan.seq_len for plan in plans if plan.kv_run is None), default=0),
         )
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        # Decode is the one-token case of extend: no mask, every key visible.
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
         if save_kv_cache:
@@ -301,8 +273,8 @@ def _attend_request(
     """SDPA for one request: ``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[seq, kv_heads, dim]``.
 
     Inputs are given SDPA as 4-D ``[1, heads, len, dim]`` views: on CPU only
-    4-D inputs reach the fused flash kernel; 3-D ones take the ~1.6x slower
-    math path.
+    4-D inputs reach the fused flash kernel; 3-D ones take the slower math
+    path.
     """
     group = layer.num_heads // layer.num_kv_heads
     k_h, v_h = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # views

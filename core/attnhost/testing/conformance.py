@@ -13,7 +13,7 @@ as target and as draft, ``runner.prepare_batch`` and ``backend.forward`` under
 the runner's forward context — so passing means "works when installed", not
 "works when imported by hand".
 
-Numerics are compared with :func:`attnhost.reference.reference_attention`
+Numerics are compared with :func:`attnhost.testing.reference.reference_attention`
 (float64, a naive loop sharing no code with any backend). The reference reads
 K/V from a copy of the cache in which the kit itself wrote the new tokens, so
 a backend that stores K/V in the wrong place fails the cache test *and*
@@ -52,11 +52,11 @@ from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
 from attnhost.platform import current_platform
-from attnhost.reference import reference_attention
 from attnhost.registry import BackendEntry
-from attnhost.resolve import DraftResolution
+from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
+from attnhost.testing.reference import reference_attention
 
 __all__ = ["BackendConformance"]
 

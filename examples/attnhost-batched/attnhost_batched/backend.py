@@ -26,6 +26,8 @@ import torch
 from attnhost import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from attnhost import AttentionRunner, ForwardBatch
 
 __all__ = ["BatchedMatmulAttnBackend"]
@@ -67,38 +69,8 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         allowed = (causal & key_valid.unsqueeze(1)).view(forward_batch.batch_size, 1, 1, max_queries, max_keys)
         self._metadata = _Metadata(forward_batch, key_slots, allowed, query_valid)
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        # Decode is the T == 1 case of the same padded computation.
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         meta = self._metadata
         if meta is None or meta.batch is not forward_batch:
             raise RuntimeError("batched_matmul: init_forward_metadata() was not called for this ForwardBatch")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from attnhost import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
-    import torch
+    from torch import Tensor
 
     from attnhost import ForwardBatch
 
@@ -27,37 +27,8 @@ class TinyAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to precompute: every layer reads the slot table directly."""
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
-        return self._attend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        save_kv_cache: bool,
-    ) -> torch.Tensor:
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         import torch  # here, not at module level: `attnhost list` imports this module
 
         pool = forward_batch.kv_pool

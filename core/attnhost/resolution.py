@@ -9,12 +9,11 @@ warning). Draft capability is asked of the registry only — no private list.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnhost._log import logger
-from attnhost.discovery import describe_exception
-from attnhost.errors import AttnhostError
+from attnhost.errors import AttnhostError, describe_exception
 from attnhost.host import default_host
 from attnhost.platform import current_platform
 from attnhost.registry import Registry
@@ -29,25 +28,31 @@ __all__ = [
     "resolve_draft_attention_backend",
 ]
 
+logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True, slots=True)
-class TargetResolution:
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Decision:
+    platform: str
+    """The platform the names were resolved for."""
+    trace: tuple[str, ...]
+    """Every step and its reason, in order, as ``attnhost resolve`` prints them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TargetResolution(_Decision):
     """The target model's prefill and decode backends."""
 
     prefill: str
     decode: str
-    platform: str
-    trace: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DraftResolution:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DraftResolution(_Decision):
     """The draft model's backend. ``fell_back`` is true only when a named backend was rejected."""
 
     name: str
     fell_back: bool
-    platform: str
-    trace: tuple[str, ...]
     warning: str | None = None
 
 
@@ -134,7 +139,7 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
     final_prefill = prefill or default
     final_decode = decode or default
     assert final_prefill is not None and final_decode is not None
-    return TargetResolution(final_prefill, final_decode, platform, tuple(trace))
+    return TargetResolution(prefill=final_prefill, decode=final_decode, platform=platform, trace=tuple(trace))
 
 
 def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = None) -> DraftResolution:
@@ -158,10 +163,10 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
             f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
             f"{platform} (hook attnhost_draft_fallback, plugin {plugin!r})"
         )
-        return DraftResolution(fallback, False, platform, tuple(trace))
+        return DraftResolution(name=fallback, fell_back=False, platform=platform, trace=tuple(trace))
     if registry.is_draft_capable(candidate):
         trace.append(f"draft: {candidate!r} is draft-capable; using it")
-        return DraftResolution(candidate, False, platform, tuple(trace))
+        return DraftResolution(name=candidate, fell_back=False, platform=platform, trace=tuple(trace))
     capable = registry.names("draft")
     fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
     trace.append(f"draft: {candidate!r} is not draft-capable (draft-capable: {', '.join(capable)})")
@@ -174,7 +179,7 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
         f"falling back to {fallback!r} on {platform}"
     )
     logger.warning("%s", warning)
-    return DraftResolution(fallback, True, platform, tuple(trace), warning)
+    return DraftResolution(name=fallback, fell_back=True, platform=platform, trace=tuple(trace), warning=warning)
 
 
 def resolve(args: ServerArgs, platform: str | None = None) -> Resolution:
