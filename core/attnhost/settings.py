@@ -34,7 +34,6 @@ DEBUG_ENV = "ATTNHOST_DEBUG"
 """Boolean: the CLI re-raises unexpected errors with their traceback."""
 NO_CACHE_ENV = "ATTNHOST_NO_CACHE"
 """Boolean: entry-point discovery neither reads nor writes its on-disk cache."""
-# merge note (issue 11): entry_points.py still defines its own NO_CACHE_ENV; its replacement reads this one.
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
