@@ -223,9 +223,7 @@ def _installed_this_attnhost(source: str) -> bool:
     it is imported from. A ``METADATA`` name proves nothing, since any
     distribution can claim one.
     """
-    import attnhost
-
-    here = os.path.realpath(attnhost.__file__)
+    here = os.path.realpath(_attnhost_package().__file__ or "")
     site = os.path.dirname(os.path.abspath(source))
     # RECORD: a wheel install; SOURCES.txt: an egg-info next to the source tree (``setup.py develop``, builds).
     listing = (_read_small(os.path.join(source, "RECORD")) or "") + (
@@ -267,12 +265,16 @@ def _builtin_record(own: EntryPointRecord | None) -> EntryPointRecord:
     """The built-in's own entry point, or the same declaration made directly when discovery did not return it."""
     if own is not None:
         return own
-    import attnhost
-
-    location = os.path.dirname(os.path.dirname(os.path.abspath(attnhost.__file__)))
+    package = _attnhost_package()
+    location = os.path.dirname(os.path.dirname(os.path.abspath(package.__file__ or "")))
     return EntryPointRecord(
-        BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, BUILTIN_DISTRIBUTION, attnhost.__version__, location
+        BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, BUILTIN_DISTRIBUTION, package.__version__, location
     )
+
+
+def _attnhost_package() -> Any:
+    """attnhost's own package, already imported as this module's parent (not re-imported: layers go down)."""
+    return sys.modules[__name__.rpartition(".")[0]]
 
 
 def _info(

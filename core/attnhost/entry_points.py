@@ -27,13 +27,13 @@ import sys
 import time
 
 from attnhost import entry_points_cache as cache
-from attnhost.settings import NO_CACHE_ENV, env_flag
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = [
+    "NO_CACHE_ENV",
     "RACY_WINDOW_NS",
     "EntryPointRecord",
     "cache_file",
@@ -44,9 +44,12 @@ __all__ = [
     "scan_stats",
 ]
 
+NO_CACHE_ENV = "ATTNHOST_NO_CACHE"
+"""``attnhost.settings`` lists it with the others; read here directly, since a cache hit imports nothing more."""
 #: A scan is not cached while anything in its key is younger than this (read at call time; tests lower it).
 RACY_WINDOW_NS = 3_000_000_000
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
 
 #: What :func:`scan` did in this process; tests use it to prove hits, benchmarks to prove the cache engaged.
 _STATS: dict[str, int] = dict.fromkeys(
@@ -206,7 +209,7 @@ def _paths() -> list[str]:
 
 
 def _env_cache_enabled() -> bool:
-    return not env_flag(NO_CACHE_ENV)
+    return os.environ.get(NO_CACHE_ENV, "").strip().lower() not in _TRUE
 
 
 def _standard_finders_only() -> bool:

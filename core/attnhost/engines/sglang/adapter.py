@@ -25,6 +25,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangAttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangForwardMode
+from torch import Tensor
 
 from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
 from attnhost.errors import BackendUnavailableError
@@ -33,7 +34,7 @@ from attnhost.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangForwardBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
 
 __all__ = ["SGLangAdapterBackend", "UnsupportedFeatureError"]
 
@@ -150,7 +151,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             )
         self.attnhost_backend = backend
         self._layers: dict[int, AttentionLayer] = {}
-        self._sglang_batch: SGLangForwardBatch | None = None
+        self._sglang_batch: SGLangBatch | None = None
         self._batch: ForwardBatch | None = None
 
     @property
@@ -244,7 +245,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
 
     # -- per batch ------------------------------------------------------------------
 
-    def init_forward_metadata(self, forward_batch: SGLangForwardBatch) -> None:
+    def init_forward_metadata(self, forward_batch: SGLangBatch) -> None:
         """Translate SGLang's batch once, then let the attnhost backend plan it."""
         mode = forward_batch.forward_mode
         self._sglang_batch = forward_batch
@@ -288,39 +289,35 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.attnhost_backend.init_forward_metadata(batch)
         self._batch = batch
 
-    def init_forward_metadata_out_graph(self, forward_batch: SGLangForwardBatch, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
         if in_capture:
             raise self._graph_refusal()
         self.init_forward_metadata(forward_batch)
 
     # -- per layer ------------------------------------------------------------------
 
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: RadixAttention,
-        forward_batch: SGLangForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        out = self.attnhost_backend.forward_extend(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
-        return out.reshape(q3.shape[0], -1)
+    # SGLang calls these two by name (and plugins may hook them by name), so both stay real methods.
+    def forward_extend(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
+                       forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+        return self._run("forward_extend", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def forward_decode(
+    def forward_decode(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
+                       forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+        return self._run("forward_decode", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+
+    def _run(
         self,
+        method: str,
         q: torch.Tensor,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
         layer: RadixAttention,
-        forward_batch: SGLangForwardBatch,
-        save_kv_cache: bool = True,
-        **kwargs: Any,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
     ) -> torch.Tensor:
         batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        out = self.attnhost_backend.forward_decode(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
+        out = getattr(self.attnhost_backend, method)(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
         return out.reshape(q3.shape[0], -1)
 
     def _prepare(
@@ -329,7 +326,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         k: torch.Tensor | None,
         v: torch.Tensor | None,
         layer: RadixAttention,
-        forward_batch: SGLangForwardBatch,
+        forward_batch: SGLangBatch,
         save_kv_cache: bool,
         kwargs: dict[str, Any],
     ) -> tuple[ForwardBatch, AttentionLayer, torch.Tensor, Any, Any]:
