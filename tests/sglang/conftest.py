@@ -2,46 +2,35 @@
 
 Everything here is test scaffolding (see README.md). The tests in this
 directory need SGLang installed (the ``sglang`` tox environment); elsewhere
-they are skipped as a whole.
+they are not collected.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-from dataclasses import dataclass
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the sgl_* helper modules next to this file
+
+from sgl_e2e import NEW_TOKENS, TinyModel
 
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["test_*.py"]
 
-NEW_TOKENS = 8
-
-#: SGLang's own class for its torch_native, and attnhost's adapter for every attnhost backend.
-SGLANG_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
-ADAPTER = "attnhost.engines.sglang.adapter.SGLangAdapterBackend"
-
-
-@dataclass(frozen=True)
-class TinyModel:
-    path: Path
-    prompts: list[list[int]]
-    hf_ids: list[list[int]]  # HF transformers' greedy continuation of each prompt
-
 
 @pytest.fixture(scope="session")
 def sglang_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from scaffold import install_test_plugins
+    from sgl_scaffold import install_test_plugins
 
     return install_test_plugins(tmp_path_factory.mktemp("sglang-site"))
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    import tiny_model as tm
+    import sgl_tiny_model as tm
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tm.build_model(path)
@@ -50,22 +39,3 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     assert all(len(ids) == NEW_TOKENS for ids in hf_ids)
     assert hf_ids[0] != hf_ids[1]  # two different continuations, so a mixed-up batch cannot pass
     return TinyModel(path, prompts, hf_ids)
-
-
-def read_probe(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def check_probe(records: list[dict[str, Any]], backend: str, expected_class: str, *, not_pid: int) -> None:
-    """Every model runner the probe saw built *expected_class* for *backend* and ran its extend and decode."""
-    runners = [r for r in records if r["event"] == "runner"]
-    assert runners, f"the probe saw no model runner (records: {records})"
-    for runner in runners:
-        assert runner["pid"] != not_pid, "the probe ran in the driver, not in SGLang's spawned scheduler"
-        assert runner["backend_class"] == expected_class, runner
-        assert runner["prefill_attention_backend_str"] == runner["decode_attention_backend_str"] == backend, runner
-        assert runner["backend_prefill_str"] == runner["backend_decode_str"] == backend, runner
-        ran = {r["event"] for r in records if r["backend"] == runner["backend"] and r["pid"] == runner["pid"]}
-        assert {"forward_extend", "forward_decode"} <= ran, f"{expected_class} ran only {sorted(ran)}"

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ADAPTER, NEW_TOKENS, SGLANG_TORCH_NATIVE, TinyModel, check_probe, read_probe
-from procs import Finished, run_in_group
-from scaffold import SCAFFOLDING, sglang_env
+from sgl_e2e import ADAPTER, NEW_TOKENS, SGLANG_TORCH_NATIVE, TinyModel, check_probe, read_probe
+from sgl_procs import Finished, run_in_group
+from sgl_scaffold import SCAFFOLDING, sglang_env
 
 BACKENDS = {
     "torch_native": SGLANG_TORCH_NATIVE,  # SGLang keeps its own under its own name

@@ -22,9 +22,13 @@ def free_port() -> int:
 
 
 def port_is_free(port: int) -> bool:
+    """Whether a new server could listen on *port* (as servers do, with SO_REUSEADDR, so closed connections
+    still in TIME_WAIT do not count: only a live socket bound to the port does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
+            s.listen()
         except OSError:
             return False
         return True
