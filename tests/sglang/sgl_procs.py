@@ -83,10 +83,11 @@ def run_in_group(cmd: Sequence[str], env: Mapping[str, str], timeout: float) -> 
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         kill_group(proc.pid)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"{cmd[1]} ran over {timeout:.0f} s; its process group was killed.\n{stderr[-3000:]}")
+        message = f"{cmd[1]} ran over {timeout:.0f} s; its process group was killed.\n{stderr[-3000:]}"
+        raise AssertionError(message) from err
     left = wait_group_empty(proc.pid, timeout=30)
     leftover = describe(left)
     if left:

@@ -16,16 +16,15 @@ SPECIAL = ("<s>", "</s>")
 SEED = 1234
 PROMPTS = ("The quick brown fox jumps over", "Attention is all")
 
-_SYLLABLES = (
-    "ka ri to mu sen la ve on ar qui dex zo pha tri el nu gor bi sa ten mo ul vy "
-    "ash ren cor ti pa lo ex um ba ne ra sho fi gel dro wen yi tas hol mir kev"
-).split()
+_SYLLABLES = "ka ri to mu sen la ve on ar qui dex zo pha tri el nu gor bi sa ten mo ul vy ash ren cor ti pa lo ex"
+_SYLLABLES += " um ba ne ra sho fi gel dro wen yi tas hol mir kev"
 
 
 def _corpus(seed: int, lines: int = 3000) -> list[str]:
     rng = random.Random(seed)
-    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(800)]
-    words += "the quick brown fox jumps over lazy dog attention is all you need".split()
+    syllables = _SYLLABLES.split()
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(800)]
+    words += " ".join(PROMPTS).lower().split()
     return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) for _ in range(lines)]
 
 

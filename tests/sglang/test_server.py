@@ -11,6 +11,7 @@ checks that no process of its group and no listener on its port is left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,8 +52,8 @@ def _healthy(url: str) -> bool:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path, probe: Path) -> None:
-        self.proc, self.port, self.log, self.probe = proc, port, log, probe
+    def __init__(self, backend: str, proc: subprocess.Popen[bytes], port: int, log: Path, probe: Path) -> None:
+        self.backend, self.proc, self.port, self.log, self.probe = backend, proc, port, log, probe
         self.url = f"http://127.0.0.1:{port}"
 
     def log_tail(self) -> str:
@@ -62,7 +63,8 @@ class Server:
         start = time.monotonic()
         while time.monotonic() - start < HEALTH_TIMEOUT_S:
             if self.proc.poll() is not None:
-                pytest.fail(f"the server exited with status {self.proc.returncode} before it was healthy:\n{self.log_tail()}")
+                status = self.proc.returncode
+                pytest.fail(f"the server exited with status {status} before it was healthy:\n{self.log_tail()}")
             if _healthy(self.url + "/health"):
                 return time.monotonic() - start
             time.sleep(0.5)
@@ -73,10 +75,8 @@ class Server:
         (so nothing is left even when the test fails) and reported."""
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            pass
         left = wait_group_empty(self.proc.pid, timeout=STOP_TIMEOUT_S)
         report = describe(left)
         if left or self.proc.poll() is None:
@@ -113,7 +113,7 @@ def server(
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so the test can prove the whole group is gone
         )
-    srv = Server(proc, port, log, probe)
+    srv = Server(backend, proc, port, log, probe)
     try:
         yield srv
     finally:
@@ -121,7 +121,6 @@ def server(
 
 
 def test_server_answers_with_hf_ids(server: Server, tiny_model: TinyModel) -> None:
-    backend = next(arg for arg, prev in zip(server.proc.args[1:], server.proc.args) if prev == "--attention-backend")
     server.wait_healthy()
     sampling = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
@@ -143,7 +142,7 @@ def test_server_answers_with_hf_ids(server: Server, tiny_model: TinyModel) -> No
     assert [c["token_ids"] for c in choices] == tiny_model.hf_ids
     assert [c["prompt_token_ids"] for c in choices] == tiny_model.prompts
 
-    check_probe(read_probe(server.probe), backend, SERVED[backend], not_pid=server.proc.pid)
+    check_probe(read_probe(server.probe), server.backend, SERVED[server.backend], not_pid=server.proc.pid)
 
     returncode, left = server.stop()
     assert left == "none", f"the server left processes behind after SIGTERM: {left}"

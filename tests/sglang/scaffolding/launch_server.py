@@ -1,4 +1,4 @@
-"""``python launch_server.py ARGS`` = ``python -m sglang.launch_server ARGS`` with the torchvision shim (test scaffolding).
+"""``python -m sglang.launch_server ARGS``, with the torchvision shim installed first (test scaffolding).
 
 ``sglang.launch_server`` imports torchvision (through ``sglang.srt.configs``)
 before anything else runs, so the shim has to be installed first, in this
