@@ -48,6 +48,9 @@ _EXPORTS: dict[str, str] = {
     # runtime
     "AttentionBackend": "attnhost.backend",
     "AttentionLayer": "attnhost.backend",
+    "AttentionRunner": "attnhost.backend",
+    "BackendCapabilities": "attnhost.backend",
+    "KVCache": "attnhost.backend",
     "ForwardMode": "attnhost.forward_mode",
     "ForwardBatch": "attnhost.forward_batch",
     "KVPool": "attnhost.forward_batch",
@@ -63,7 +66,9 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "AttentionBackend",
     "AttentionLayer",
+    "AttentionRunner",
     "AttnhostError",
+    "BackendCapabilities",
     "BackendSpec",
     "BackendUnavailableError",
     "DraftResolution",
@@ -71,6 +76,7 @@ __all__ = [
     "ForwardMode",
     "HybridAttnBackend",
     "InvalidPluginError",
+    "KVCache",
     "KVPool",
     "ModelRunner",
     "NoForwardContextError",
@@ -113,7 +119,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from attnhost.backend import AttentionBackend, AttentionLayer
+    from attnhost.backend import AttentionBackend, AttentionLayer, AttentionRunner, BackendCapabilities, KVCache
     from attnhost.choices import (
         ATTENTION_BACKEND_CHOICES,
         DRAFT_ATTENTION_BACKEND_CHOICES,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from attnhost.forward_mode import ForwardMode
 
@@ -17,9 +17,115 @@ if TYPE_CHECKING:
     import torch
 
     from attnhost.forward_batch import ForwardBatch
-    from attnhost.runner import ModelRunner
 
-__all__ = ["AttentionBackend", "AttentionLayer"]
+__all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache"]
+
+FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+class KVCache(Protocol):
+    """The token-slot KV cache a backend reads and writes, whoever owns it.
+
+    attnhost's own :class:`~attnhost.forward_batch.KVPool` is one; the engine
+    bridges wrap SGLang's ``MHATokenToKVPool`` + ``ReqToTokenPool`` and vLLM's
+    paged per-layer tensor as others, without copying a byte of the cache.
+    So a backend may rely on exactly this and nothing more:
+
+    * ``k_buffer(layer_id)`` / ``v_buffer(layer_id)``: ``[num_slots,
+      num_kv_heads, head_dim]`` of dtype ``dtype``. They may be *strided*
+      views (vLLM keeps K and V of a slot side by side), so index, slice or
+      ``index_select`` them; never assume ``is_contiguous()`` or ``view`` them
+      into another shape.
+    * ``req_to_token``: ``[rows, max_context_len]`` integer (int32 or int64)
+      table; row ``forward_batch.req_pool_indices[i]`` holds, at position
+      ``p < seq_lens[i]``, the slot of token ``p`` of request ``i``. Entries
+      past ``seq_lens[i]`` are undefined.
+    * ``set_kv(layer_id, loc, k, v)``: write the new tokens' K/V
+      (``[len(loc), num_kv_heads, head_dim]``) at slots ``loc`` (int64).
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+
+class AttentionRunner(Protocol):
+    """What a backend factory receives: the facts of the model runner it serves.
+
+    attnhost's :class:`~attnhost.runner.ModelRunner` is one; inside SGLang
+    and vLLM the bridges pass a small object with the same attributes, so
+    one factory serves every engine.
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def is_draft(self) -> bool: ...
+
+    @property
+    def kv_pool(self) -> KVCache: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BackendCapabilities:
+    """What a backend declares it supports, so engines refuse the rest up front.
+
+    Engines ask before they build or graph-capture anything: the SGLang and
+    vLLM bridges switch CUDA graphs off for a backend without
+    ``cuda_graph``, advertise ``dtypes`` and ``head_dims`` to vLLM's backend
+    selector, and refuse a model outside them with an error naming the
+    backend. The attention contract itself has no sliding window, logit
+    cap, ALiBi, sinks, MLA or cross-attention, so those are refused for every
+    attnhost backend rather than declared here.
+
+    ``dtypes`` names the query and KV-cache dtypes (``torch`` attribute
+    names); ``head_dims`` empty means any head dimension.
+    """
+
+    dtypes: tuple[str, ...] = FLOAT_DTYPES
+    head_dims: tuple[int, ...] = ()
+    cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtypes, str) or not all(isinstance(d, str) and d for d in self.dtypes):
+            raise ValueError(f"BackendCapabilities.dtypes must be dtype names such as 'float16', got {self.dtypes!r}")
+        if not self.dtypes:
+            raise ValueError("BackendCapabilities.dtypes must name at least one dtype")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in self.head_dims):
+            raise ValueError(f"BackendCapabilities.head_dims must be positive integers, got {self.head_dims!r}")
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        object.__setattr__(self, "head_dims", tuple(self.head_dims))
+
+    def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None) -> str | None:
+        """Why a model with these properties cannot run on this backend, or ``None`` if it can."""
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} (it supports {', '.join(self.dtypes)})"
+        if kv_dtype is not None and kv_dtype not in self.dtypes:
+            return f"KV-cache dtype {kv_dtype} (it supports {', '.join(self.dtypes)})"
+        if self.head_dims and head_dim not in self.head_dims:
+            return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
+        return None
+
+
+def capabilities_of(factory: object) -> BackendCapabilities:
+    """The capabilities a loaded factory declares (a class attribute), else the conservative default."""
+    declared = getattr(factory, "capabilities", None)
+    return declared if isinstance(declared, BackendCapabilities) else BackendCapabilities()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +171,10 @@ class AttentionBackend(abc.ABC):
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
+    """What this backend supports; override on a subclass that does more (e.g. CUDA graphs)."""
 
-    def __init__(self, runner: ModelRunner | None = None) -> None:  # noqa: B027 - optional to override
+    def __init__(self, runner: AttentionRunner | None = None) -> None:  # noqa: B027 - optional to override
         """Accept the runner so a subclass is a valid factory; the base keeps nothing."""
 
     @abc.abstractmethod

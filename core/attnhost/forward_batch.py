@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnhost.backend import KVCache
 from attnhost.errors import AttnhostError
 from attnhost.forward_mode import ForwardMode
 
@@ -183,7 +184,7 @@ class ForwardBatch:
     """
 
     forward_mode: ForwardMode
-    kv_pool: KVPool
+    kv_pool: KVCache
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     prefix_lens: torch.Tensor
@@ -239,7 +240,7 @@ class ForwardBatch:
     @classmethod
     def from_lists(
         cls,
-        kv_pool: KVPool,
+        kv_pool: KVCache,
         forward_mode: ForwardMode,
         requests: Sequence[Sequence[int]],
         out_cache_loc: torch.Tensor,

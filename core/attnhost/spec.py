@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 if TYPE_CHECKING:
-    from attnhost.backend import AttentionBackend
-    from attnhost.runner import ModelRunner
+    from attnhost.backend import AttentionBackend, AttentionRunner
 
 __all__ = ["BackendFactory", "BackendSpec", "check_backend_name", "import_object"]
 
-BackendFactory = Callable[["ModelRunner"], "AttentionBackend"]
+BackendFactory = Callable[["AttentionRunner"], "AttentionBackend"]
 """Called once per model runner as ``factory(runner)``; returns that runner's own backend."""
 
 

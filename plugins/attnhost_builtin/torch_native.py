@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from attnhost.backend import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
+    from attnhost.backend import AttentionRunner
     from attnhost.forward_batch import ForwardBatch
-    from attnhost.runner import ModelRunner
 
 __all__ = ["TorchNativeAttnBackend"]
 
@@ -135,7 +135,7 @@ class _BatchPlan:
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
 
-    def __init__(self, runner: ModelRunner | None = None) -> None:
+    def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
         self._plan: _BatchPlan | None = None
 

@@ -26,7 +26,7 @@ import torch
 from attnhost import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
-    from attnhost import ForwardBatch, ModelRunner
+    from attnhost import AttentionRunner, ForwardBatch
 
 __all__ = ["BatchedMatmulAttnBackend"]
 
@@ -42,7 +42,7 @@ class _Metadata:
 class BatchedMatmulAttnBackend(AttentionBackend):
     """Padded, masked, batched matmul attention over a token-slot KV cache."""
 
-    def __init__(self, runner: ModelRunner | None = None) -> None:
+    def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
         self._metadata: _Metadata | None = None
 

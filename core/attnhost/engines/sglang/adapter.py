@@ -1,0 +1,350 @@
+"""An SGLang ``AttentionBackend`` that runs an attnhost backend on SGLang's own pools.
+
+SGLang builds one adapter per model runner through its ``ATTENTION_BACKENDS``
+registry, and each adapter builds its own attnhost backend, so the target
+and the draft never share one (SGLang #28559). Per batch, SGLang's
+``ForwardBatch`` becomes an attnhost :class:`~attnhost.ForwardBatch` whose
+KV cache is a thin view of SGLang's ``MHATokenToKVPool`` and
+``ReqToTokenPool``: the buffers handed to the backend are SGLang's own
+tensors, never copies. Per layer, the adapter only reshapes ``q``/``k``/``v``
+(views) and looks the layer up in a dict.
+
+What the attnhost contract cannot express — MLA, sliding windows, logit
+caps, cross-attention, a V head dim unlike the QK one, tree-masked
+speculative verify, CUDA-graph capture for a backend that does not declare
+it — is refused with one error naming the backend and the feature, at
+construction or on the first layer or batch that needs it. Never a wrong
+number.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangAttentionBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangForwardMode
+
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
+from attnhost.errors import BackendUnavailableError
+from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_mode import ForwardMode
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangForwardBatch
+
+__all__ = ["SGLangAdapterBackend", "UnsupportedFeatureError"]
+
+
+class UnsupportedFeatureError(BackendUnavailableError, NotImplementedError):
+    """SGLang asked an attnhost backend for something the attnhost contract cannot do."""
+
+
+_MODES = {
+    SGLangForwardMode.EXTEND: ForwardMode.EXTEND,
+    SGLangForwardMode.MIXED: ForwardMode.MIXED,
+    SGLangForwardMode.DECODE: ForwardMode.DECODE,
+}
+_REFUSED_MODES = {
+    SGLangForwardMode.TARGET_VERIFY: "speculative target-verify (tree-masked attention)",
+    SGLangForwardMode.DRAFT_EXTEND_V2: "speculative draft-extend (tree-masked attention)",
+    SGLangForwardMode.SPLIT_PREFILL: "split prefill (PD multiplexing)",
+    SGLangForwardMode.DLLM_EXTEND: "diffusion-LLM extend (bidirectional attention)",
+    SGLangForwardMode.PREBUILT: "prebuilt (disaggregated decode) batches",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class SGLangKVCache:
+    """attnhost's :class:`~attnhost.KVCache` over SGLang's pools: views, never copies.
+
+    ``set_kv`` needs SGLang's ``RadixAttention`` object and the batch's
+    physical-id mark, so the adapter records both before each layer runs.
+    """
+
+    __slots__ = ("_layers", "_physical", "_pool", "_req_to_token_pool", "device")
+
+    def __init__(self, req_to_token_pool: Any, token_to_kv_pool: MHATokenToKVPool, device: torch.device) -> None:
+        self._req_to_token_pool = req_to_token_pool
+        self._pool = token_to_kv_pool
+        self._layers: dict[int, RadixAttention] = {}
+        self._physical = False
+        self.device = device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        dtype: torch.dtype = self._pool.dtype
+        return dtype
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        table: torch.Tensor = self._req_to_token_pool.req_to_token
+        return table
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        buffer: torch.Tensor = self._pool.get_key_buffer(layer_id)
+        return buffer
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        buffer: torch.Tensor = self._pool.get_value_buffer(layer_id)
+        return buffer
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, physical=self._physical), k, v)
+
+
+class _RunnerView:
+    """What the attnhost factory receives (:class:`~attnhost.AttentionRunner`) inside SGLang."""
+
+    __slots__ = ("device", "dtype", "is_draft", "kv_pool")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, is_draft: bool, kv_pool: SGLangKVCache) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.is_draft = is_draft
+        self.kv_pool = kv_pool
+
+
+class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGLang is untyped
+    """SGLang's backend interface over one attnhost backend, built once per SGLang model runner."""
+
+    def __init__(
+        self,
+        model_runner: Any,
+        *,
+        engine_name: str,
+        attnhost_name: str,
+        origin: str,
+        factory: Any,
+        capabilities: BackendCapabilities,
+    ) -> None:
+        super().__init__()
+        self.engine_name = engine_name
+        self.attnhost_name = attnhost_name
+        self.origin = origin
+        self.capabilities = capabilities
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self._check_runner(model_runner)
+        self.data_type = getattr(model_runner, "dtype", None) or self.token_to_kv_pool.dtype
+        self.kv_cache_dtype = self.token_to_kv_pool.dtype
+        self._kv = SGLangKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
+        view = _RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
+        try:
+            backend = factory(view)
+        except (Exception, SystemExit) as exc:
+            raise BackendUnavailableError(
+                f"{self._where}: its factory raised {type(exc).__name__}: {exc}; fix or reinstall the plugin, "
+                "or choose another --attention-backend"
+            ) from exc
+        if not isinstance(backend, AttentionBackend):
+            raise BackendUnavailableError(
+                f"{self._where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
+                "report this to the plugin's maintainers"
+            )
+        self.attnhost_backend = backend
+        self._layers: dict[int, AttentionLayer] = {}
+        self._sglang_batch: SGLangForwardBatch | None = None
+        self._batch: ForwardBatch | None = None
+
+    @property
+    def _where(self) -> str:
+        return (
+            f"attnhost backend {self.attnhost_name!r} ({self.origin}), SGLang --attention-backend {self.engine_name!r}"
+        )
+
+    def _refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
+        return UnsupportedFeatureError(f"{self._where} does not support {feature}; {way_out}")
+
+    # -- construction-time checks -----------------------------------------------------
+
+    def _check_runner(self, runner: Any) -> None:
+        if getattr(runner, "use_mla_backend", False):
+            raise self._refuse("MLA models (multi-head latent attention)")
+        model_config = getattr(runner, "model_config", None)
+        if getattr(model_config, "is_encoder_decoder", False):
+            raise self._refuse("encoder-decoder models (cross-attention)")
+        if getattr(runner, "is_hybrid_swa", False):
+            raise self._refuse("sliding-window attention (a hybrid SWA KV pool)")
+        pool = self.token_to_kv_pool
+        if not isinstance(pool, MHATokenToKVPool):
+            raise self._refuse(f"SGLang's {type(pool).__name__} (it reads MHATokenToKVPool)")
+        if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", None) not in (None, "NHD", "nhd"):
+            raise self._refuse("a head-major (HND) KV-cache layout", "unset SGLANG_USE_HND_KVCACHE")
+        if getattr(pool, "is_quantized_kv_cache", False) or pool.store_dtype != pool.dtype:
+            raise self._refuse(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
+        if pool.v_head_dim != pool.head_dim:
+            raise self._refuse(f"a V head dim ({pool.v_head_dim}) unlike the QK head dim ({pool.head_dim})")
+        kv_dtype = dtype_name(pool.dtype)
+        model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
+        reason = self.capabilities.refusal(dtype=model_dtype, head_dim=pool.head_dim, kv_dtype=kv_dtype)
+        if reason is not None:
+            raise self._refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+
+    def _layer(self, layer: RadixAttention) -> AttentionLayer:
+        """The attnhost view of a layer, checked once, on its first forward."""
+        if getattr(layer, "is_cross_attention", False):
+            raise self._refuse(f"cross-attention (layer {layer.layer_id})")
+        attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
+        if attn_type != "DECODER":
+            raise self._refuse(f"{attn_type.lower()} attention (layer {layer.layer_id}); it computes causal attention")
+        if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+            raise self._refuse(f"sliding-window attention (layer {layer.layer_id})")
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise self._refuse(f"logit capping (layer {layer.layer_id}, logit_cap={layer.logit_cap})")
+        if layer.qk_head_dim != layer.v_head_dim:
+            raise self._refuse(f"a V head dim ({layer.v_head_dim}) unlike the QK head dim ({layer.qk_head_dim})")
+        if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
+            None,
+            1.0,
+        ):
+            raise self._refuse(f"scaled (quantized) K/V (layer {layer.layer_id})")
+        head_dim = layer.qk_head_dim
+        reason = self.capabilities.refusal(dtype=dtype_name(self.data_type), head_dim=head_dim)
+        if reason is not None:
+            raise self._refuse(reason)
+        converted = AttentionLayer(
+            layer_id=layer.layer_id,
+            num_heads=layer.tp_q_head_num,
+            num_kv_heads=layer.tp_k_head_num,
+            head_dim=head_dim,
+            scaling=float(layer.scaling),
+        )
+        self._layers[layer.layer_id] = converted
+        self._kv._layers[layer.layer_id] = layer
+        return converted
+
+    # -- per batch ------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: SGLangForwardBatch) -> None:
+        """Translate SGLang's batch once, then let the attnhost backend plan it."""
+        mode = forward_batch.forward_mode
+        self._sglang_batch = forward_batch
+        if mode.is_idle():
+            self._batch = None
+            return
+        attnhost_mode = _MODES.get(mode)
+        if attnhost_mode is None:
+            feature = _REFUSED_MODES.get(mode, f"forward mode {mode.name}")
+            raise self._refuse(feature, "run speculative decoding's verify/draft-extend on an SGLang backend")
+        if forward_batch.spec_info is not None and getattr(forward_batch.spec_info, "custom_mask", None) is not None:
+            raise self._refuse("custom attention masks (speculative decoding)")
+        if getattr(forward_batch, "encoder_lens", None) is not None:
+            raise self._refuse("encoder tokens in the batch (cross-attention)")
+        seq_lens = forward_batch.seq_lens
+        seq_lens_cpu = forward_batch.seq_lens_cpu
+        seq_cpu = tuple(seq_lens_cpu.tolist() if seq_lens_cpu is not None else seq_lens.tolist())
+        if attnhost_mode is ForwardMode.DECODE:
+            prefix_lens = seq_lens - 1
+            extend_lens = torch.ones_like(seq_lens)
+            prefix_cpu = tuple(n - 1 for n in seq_cpu)
+            extend_cpu = (1,) * len(seq_cpu)
+        else:
+            prefix_lens = forward_batch.extend_prefix_lens
+            extend_lens = forward_batch.extend_seq_lens
+            prefix_cpu = tuple(forward_batch.extend_prefix_lens_cpu)
+            extend_cpu = tuple(forward_batch.extend_seq_lens_cpu)
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        batch = ForwardBatch(
+            forward_mode=attnhost_mode,
+            kv_pool=self._kv,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=seq_lens,
+            prefix_lens=prefix_lens,
+            extend_seq_lens=extend_lens,
+            out_cache_loc=forward_batch.out_cache_loc,
+            seq_lens_cpu=seq_cpu,
+            prefix_lens_cpu=prefix_cpu,
+            extend_seq_lens_cpu=extend_cpu,
+        )
+        self.attnhost_backend.init_forward_metadata(batch)
+        self._batch = batch
+
+    def init_forward_metadata_out_graph(self, forward_batch: SGLangForwardBatch, in_capture: bool = False) -> None:
+        if in_capture:
+            raise self._graph_refusal()
+        self.init_forward_metadata(forward_batch)
+
+    # -- per layer ------------------------------------------------------------------
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        out = self.attnhost_backend.forward_extend(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
+        return out.reshape(q3.shape[0], -1)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangForwardBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
+        out = self.attnhost_backend.forward_decode(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
+        return out.reshape(q3.shape[0], -1)
+
+    def _prepare(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangForwardBatch,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
+    ) -> tuple[ForwardBatch, AttentionLayer, torch.Tensor, Any, Any]:
+        batch = self._batch
+        if batch is None or forward_batch is not self._sglang_batch:
+            raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
+        if kwargs and any(value is not None for value in kwargs.values()):
+            extra = ", ".join(sorted(name for name, value in kwargs.items() if value is not None))
+            raise self._refuse(f"the extra attention arguments {extra} (layer {layer.layer_id})")
+        attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer)
+        q3 = q.view(-1, attnhost_layer.num_heads, attnhost_layer.head_dim)
+        if q3.shape[0] != batch.num_new_tokens:
+            raise self._refuse(f"padded batches ({q3.shape[0]} query rows for {batch.num_new_tokens} tokens)")
+        if save_kv_cache and (k is None or v is None):
+            raise RuntimeError(f"{self._where}: save_kv_cache=True but SGLang passed no K/V for layer {layer.layer_id}")
+        kv_shape = (-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
+        k3 = k.view(kv_shape) if k is not None else None
+        v3 = v.view(kv_shape) if v is not None else None
+        return batch, attnhost_layer, q3, k3, v3
+
+    # -- what SGLang may ask and an attnhost backend cannot give -----------------------
+
+    def _graph_refusal(self) -> UnsupportedFeatureError:
+        return self._refuse(
+            "CUDA-graph capture (it declares no cuda_graph capability)", "run SGLang with --disable-cuda-graph"
+        )
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if not self.capabilities.cuda_graph:
+            raise self._graph_refusal()
+        raise self._refuse("CUDA-graph capture through this adapter yet", "run SGLang with --disable-cuda-graph")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        raise self._graph_refusal()
+
+    def forward_mixed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise self._refuse("the NPU mixed-batch path")
+
+    def support_triton(self) -> bool:
+        return False

@@ -1,0 +1,244 @@
+"""Registers attnhost's backends in SGLang's registries and hooks SGLang where attnhost must decide.
+
+Three SGLang mechanisms, all SGLang's own, no patch to its source:
+
+* ``ATTENTION_BACKENDS`` (name → ``factory(model_runner)``) and the two
+  choice lists, extended in place, so ``--attention-backend`` and
+  ``--speculative-draft-attention-backend`` accept the names and the model
+  runner builds an :class:`~attnhost.engines.sglang.adapter.SGLangAdapterBackend`.
+* A resolution hook on ``handle_attention_backend_compatibility`` (SGLang's
+  ``register_resolution_hook``): it re-syncs the registries with attnhost's
+  (names added in-process since the plugins loaded), switches CUDA graphs
+  off for an adapter without graph support exactly as SGLang does for its
+  own ``torch_native``, and freezes attnhost's registry, so a late
+  ``attnhost.add_*_attention_backend_choices`` raises instead of being
+  silently ignored.
+* An AROUND hook (``HookRegistry``) on SGLang's draft resolver: when SGLang
+  would fall back, a third-party plugin's ``attnhost_draft_fallback``
+  answer for this platform wins; otherwise SGLang's rule stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from attnhost.backend import BackendCapabilities, capabilities_of
+from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
+from attnhost.engines.sglang import OVERRIDE_ENV
+from attnhost.errors import BackendUnavailableError
+from attnhost.host import default_host
+from attnhost.platform import current_platform
+
+__all__ = ["adapter_factory", "current_plan", "install"]
+
+logger = logging.getLogger("attnhost.engines.sglang")
+
+_DRAFT_RESOLVER = "sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend"
+_COMPAT_STEP = "handle_attention_backend_compatibility"
+
+_lock = threading.Lock()
+_plan: ExportPlan | None = None
+_ours: dict[str, Callable[[Any], Any]] = {}
+"""SGLang names this process registered, with the factory it put in ``ATTENTION_BACKENDS``."""
+_logged: set[str] = set()
+_hooks_installed = False
+
+
+def current_plan() -> ExportPlan | None:
+    """What the last :func:`install` registered in this process (``None`` before it ran)."""
+    return _plan
+
+
+def install() -> None:
+    """Register (or re-sync) attnhost's exports with SGLang; idempotent, safe in every process."""
+    global _plan, _hooks_installed
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    with _lock:
+        plan = plan_exports(
+            "SGLang",
+            lambda name: name in ATTENTION_BACKENDS and ATTENTION_BACKENDS[name] is not _ours.get(name),
+            override_env=OVERRIDE_ENV,
+            taken=tuple(_ours),
+        )
+        for warning in plan.warnings:
+            _log_once(logging.WARNING, warning)
+        for backend in plan.backends:
+            factory = _ours.get(backend.engine_name) or adapter_factory(backend)
+            for name in backend.engine_names:
+                ATTENTION_BACKENDS[name] = factory
+                _ours[name] = factory
+                _append(choices.ATTENTION_BACKEND_CHOICES, name)
+                if backend.draft:
+                    _append(choices.DRAFT_ATTENTION_BACKEND_CHOICES, name)
+        _plan = plan
+        if plan.backends:
+            names = ", ".join(
+                f"{b.engine_name}{' (draft)' if b.draft else ''}"
+                + (f" as attnhost {b.name!r}" if b.engine_name != b.name else "")
+                for b in plan.backends
+            )
+            _log_once(logging.INFO, f"attnhost registered {len(plan.backends)} SGLang attention backend(s): {names}")
+        else:
+            _log_once(logging.INFO, "attnhost registered no SGLang attention backend (none implemented and available)")
+        if not _hooks_installed:
+            _install_hooks()
+            _hooks_installed = True
+
+
+def _append(names: list[str], name: str) -> None:
+    if name not in names:
+        names.append(name)
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, "%s", message)
+
+
+def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
+    """The ``factory(model_runner)`` SGLang calls: loads the plugin's factory lazily, builds an adapter."""
+    entry = backend.entry
+    origin = f"plugin {entry.plugin!r}" + (f", distribution {entry.distribution}" if entry.distribution else "")
+
+    def create_attnhost_backend(model_runner: Any) -> Any:
+        from attnhost.engines.sglang.adapter import SGLangAdapterBackend
+
+        default_host().freeze()  # a runner exists: from now on the registry must not move
+        factory = _load(backend, origin)
+        return SGLangAdapterBackend(
+            model_runner,
+            engine_name=backend.engine_name,
+            attnhost_name=backend.name,
+            origin=origin,
+            factory=factory,
+            capabilities=capabilities_of(factory),
+        )
+
+    create_attnhost_backend.__qualname__ = f"create_attnhost_backend[{backend.engine_name}]"
+    return create_attnhost_backend
+
+
+def _load(backend: ExportedBackend, origin: str) -> Any:
+    try:
+        return backend.entry.spec.load()
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
+            f"reinstall {backend.entry.distribution or 'the plugin'} or choose another --attention-backend"
+        ) from exc
+
+
+def _capabilities(engine_name: str | None) -> BackendCapabilities | None:
+    """The capabilities of an attnhost adapter name, or ``None`` for one of SGLang's own names."""
+    if engine_name is None or _plan is None:
+        return None
+    backend = _plan.by_engine_name(engine_name)
+    if backend is None or engine_name not in _ours:
+        return None
+    try:
+        return capabilities_of(backend.entry.spec.load())
+    except Exception:
+        return BackendCapabilities()  # unloadable: the runner will say why; no graphs meanwhile
+
+
+# -- SGLang hooks ----------------------------------------------------------------------
+
+
+def _install_hooks() -> None:
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    register_resolution_hook(_COMPAT_STEP)(_attention_compatibility)
+    HookRegistry.register(_DRAFT_RESOLVER, _resolve_draft_backend, HookType.AROUND)
+
+
+def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """SGLang's attention step, with attnhost's registrations current and graphs off where unsupported."""
+    install()  # pick up in-process registrations made after the plugins loaded
+    previous(server_args)
+    default_host().freeze()
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolved_view, resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    view = resolved_view(server_args)
+    names = {
+        getattr(view, field, None)
+        for field in (
+            "attention_backend",
+            "prefill_attention_backend",
+            "decode_attention_backend",
+            "speculative_draft_attention_backend",
+        )
+    }
+    no_graph = sorted(
+        name
+        for name in names
+        if isinstance(name, str) and (caps := _capabilities(name)) is not None and not caps.cuda_graph
+    )
+    if not no_graph:
+        return
+    logger.warning(
+        "CUDA graph is disabled because attnhost backend(s) %s declare no CUDA-graph support", ", ".join(no_graph)
+    )
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        config = resolving_view(server_args).cuda_graph_config
+        declare_resolution(
+            server_args,
+            "attnhost_attention_backend_compatibility",
+            cuda_graph_config=with_phase(config, phase, backend=Backend.DISABLED),
+        )
+
+
+def _resolve_draft_backend(original: Callable[..., str], *args: Any, **kwargs: Any) -> str:
+    """SGLang's draft resolver, except that a third-party fallback answer for this platform wins a fallback."""
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+    from sglang.srt.runtime_context import attention_backends, get_spec
+
+    named = get_spec().speculative_draft_attention_backend or attention_backends()[0]
+    if named is not None and named in DRAFT_ATTENTION_BACKEND_CHOICES:
+        return original(*args, **kwargs)  # SGLang uses the named backend: nothing to decide
+    answer = third_party_draft_fallback()
+    if answer is None:
+        return original(*args, **kwargs)
+    logger.warning(
+        "draft worker: %s; using %r, the draft fallback a plugin gives for %s (hook attnhost_draft_fallback)",
+        "no attention backend named" if named is None else f"{named!r} is not draft-capable",
+        answer,
+        current_platform(),
+    )
+    return answer
+
+
+def third_party_draft_fallback() -> str | None:
+    """A non-built-in plugin's ``attnhost_draft_fallback`` answer, spelled as SGLang knows it, else ``None``."""
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
+    pm = default_host().plugin_manager()
+    builtin = [plugin for plugin in pm.get_plugins() if plugin is sys.modules.get("attnhost_builtin")]
+    caller = pm.subset_hook_caller("attnhost_draft_fallback", remove_plugins=builtin)
+    platform = current_platform()
+    try:
+        answer = caller(platform=platform)
+    except Exception as exc:
+        logger.warning(
+            "a plugin's attnhost_draft_fallback(%r) raised %s: %s; ignored", platform, type(exc).__name__, exc
+        )
+        return None
+    if answer is None:
+        return None
+    spelled = (_plan.engine_name(answer) if _plan is not None else None) or answer
+    if spelled not in DRAFT_ATTENTION_BACKEND_CHOICES:
+        logger.warning(
+            "a plugin's attnhost_draft_fallback(%r) answered %r, which SGLang cannot use for drafting; ignored",
+            platform,
+            answer,
+        )
+        return None
+    return str(spelled)
