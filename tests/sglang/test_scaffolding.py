@@ -49,28 +49,31 @@ def test_attnhost_ships_no_scaffolding() -> None:
     assert not [r for r in dist.requires or [] if r.split()[0].lower() in ("torchvision", "sglang", "transformers")]
 
 
-PLATFORM_PROBE = """
-import json
-from sglang.srt.platforms import current_platform as p
+PLATFORM_PROBE = f"""
+import json, os
+import sglang.srt.platforms as platforms
 from sglang.srt.platforms.interface import PlatformCapabilities
-print(json.dumps({"cls": type(p).__module__ + "." + type(p).__qualname__, "oot": p.is_out_of_tree(),
-                  "device": p.device_type, "default_caps": p.capabilities == PlatformCapabilities()}))
+unnamed = platforms._resolve_platform()  # SGLang's own discovery, with SGLANG_PLATFORM unset
+os.environ["SGLANG_PLATFORM"] = {PLATFORM_NAME!r}
+p = platforms._resolve_platform()  # what current_platform resolves to (the module may have resolved it already)
+print(json.dumps({{"unnamed": type(unnamed).__module__, "cls": type(p).__module__ + "." + type(p).__qualname__,
+                  "oot": p.is_out_of_tree(), "device": p.device_type,
+                  "default_caps": p.capabilities == PlatformCapabilities()}}))
 """
 
 
 def test_sglang_selects_the_test_platform_only_when_named(sglang_site: Path) -> None:
-    chosen = _python(PLATFORM_PROBE, sglang_site)
-    assert chosen.returncode == 0, chosen.stderr
-    assert json.loads(chosen.stdout.splitlines()[-1]) == {
+    result = _python(PLATFORM_PROBE, sglang_site, SGLANG_PLATFORM="")
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.splitlines()[-1])
+    # Not named: SGLang's auto-discovery asks the plugin, which declines (this machine gets one of SGLang's own).
+    assert seen.pop("unnamed").startswith("sglang.srt.platforms")
+    assert seen == {
         "cls": "attnhost_test_platform.AttnhostTestCpuPlatform",
         "oot": True,
         "device": "cpu",
         "default_caps": True,
     }
-    # Not named: SGLang's auto-discovery asks it, and it declines (this machine then gets SGLang's base platform).
-    unnamed = _python(PLATFORM_PROBE, sglang_site, SGLANG_PLATFORM="")
-    assert unnamed.returncode == 0, unnamed.stderr
-    assert not json.loads(unnamed.stdout.splitlines()[-1])["cls"].startswith("attnhost_test_platform")
     installed = importlib.metadata.distributions(path=[str(sglang_site)])
     assert {(ep.group, ep.name) for dist in installed for ep in dist.entry_points} == {
         ("sglang.srt.platforms", PLATFORM_NAME),
