@@ -70,6 +70,7 @@ class PluginHost:
         self._registry: Registry | None = None
         self._plugins: tuple[PluginInfo, ...] = ()
         self._frozen = False
+        self._frozen_by = "the first ServerArgs"
         self._strict_error: PluginLoadError | None = None
         self._pid = os.getpid()
         self._loading: GuardedPluginManager | None = None
@@ -174,11 +175,16 @@ class PluginHost:
     def is_frozen(self) -> bool:
         return self._frozen
 
-    def freeze(self) -> Registry:
-        """Freeze the registry (idempotent); from now on every registration raises."""
+    def freeze(self, by: str = "the first ServerArgs") -> Registry:
+        """Freeze the registry (idempotent); from now on every registration raises.
+
+        ``by`` names what froze it in the error a late registration gets (an
+        engine bridge freezes it when the engine's own arguments are resolved).
+        """
         with self._lock:
             registry = self.registry()
-            self._frozen = True
+            if not self._frozen:
+                self._frozen, self._frozen_by = True, by
             return registry
 
     def _check_not_loading(self, what: str) -> None:
@@ -205,7 +211,7 @@ class PluginHost:
             self._check_not_loading(what)
         if self._frozen:
             raise RegistryFrozenError(
-                f"{what} came after the first ServerArgs froze the backend registry; declare it from a "
+                f"{what} came after {self._frozen_by} froze the backend registry; declare it from a "
                 f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or call it before building ServerArgs"
             )
 

@@ -1,28 +1,96 @@
-"""Session fixtures for the real-SGLang tests: the test-only plugins, the tiny model and HF's reference ids.
+"""Tests that run attnhost inside the real SGLang (0.5.23): only in the ``sglang`` tox environment.
 
-Everything here is test scaffolding (see README.md). The tests in this
-directory need SGLang installed (the ``sglang`` tox environment); elsewhere
-they are not collected.
+The default environment ignores this directory (``tox.ini``); run here
+without SGLang installed, every test is skipped with the reason. Test
+scaffolding lives beside the tests and nowhere else (README.md here lists
+it): SGLang imports torchvision at module level and PyPI's torchvision cannot
+import beside the CPU torch, so ``scaffolding/shim.py`` installs a minimal
+torchvision in this process, and every script SGLang runs from here
+(``probe_sglang.py``, ``scaffolding/run_engine.py``,
+``scaffolding/launch_server.py``) installs it in its own.
+
+Session fixtures: ``model_dir`` (a tiny Llama config, no weights, for
+argument resolution), ``tiny_model`` (the same shape with seeded weights and
+a locally trained tokenizer, plus HF transformers' greedy ids), and
+``sglang_site`` (the test-only platform and probe, installed as
+distributions).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
+import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # the sgl_* helper modules next to this file
-
-from sgl_e2e import NEW_TOKENS, TinyModel
+HERE = Path(__file__).parent
+SCAFFOLDING = HERE / "scaffolding"
+sys.path.insert(0, str(HERE))  # the sgl_* helper modules next to this file
 
 try:
-    importlib.metadata.distribution("sglang")
-except importlib.metadata.PackageNotFoundError:
     # Asked by distribution, not by module: with tests/ on sys.path this directory is itself a namespace
     # package called "sglang".
-    collect_ignore_glob = ["test_*.py"]
+    importlib.metadata.distribution("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("SGLang is not installed: run `tox -e sglang`", allow_module_level=True)
+
+if str(SCAFFOLDING) not in sys.path:
+    sys.path.insert(0, str(SCAFFOLDING))
+import shim  # noqa: E402
+
+shim.install()
+
+from sgl_e2e import NEW_TOKENS, TinyModel  # noqa: E402
+
+
+def run_probe(
+    spec: Mapping[str, Any],
+    *,
+    path_entries: Iterable[Path] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 400,
+) -> dict[str, Any]:
+    """Run ``probe_sglang.py`` in a fresh interpreter and return its report."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNHOST_", "SGLANG_PLUGINS"))}
+    environ["PYTHONPATH"] = os.pathsep.join([*map(str, path_entries), os.environ.get("PYTHONPATH", "")])
+    environ.update(env or {})
+    result = subprocess.run(
+        [sys.executable, str(HERE / "probe_sglang.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=timeout,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("PROBE-JSON ")]
+    assert result.returncode == 0 and lines, f"probe failed (exit {result.returncode}):\n{result.stderr[-6000:]}"
+    report: dict[str, Any] = json.loads(lines[-1].removeprefix("PROBE-JSON "))
+    report["stderr"] = result.stderr
+    return report
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama config (no weights): enough for SGLang's server-argument resolution."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama-config")
+    LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,15 @@ OVERRIDE_ENV = "ATTNHOST_SGLANG_OVERRIDE"
 
 def register() -> None:
     """SGLang's general-plugin entry point: register attnhost's backends and hooks with SGLang."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        from attnhost.errors import AttnhostError
+
+        raise AttnhostError(
+            "attnhost's SGLang bridge was called but SGLang is not installed; install sglang, "
+            "or leave the entry point to SGLang's own plugin loader"
+        )
     from attnhost.engines.sglang.bridge import install
 
     install()

@@ -162,6 +162,28 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def _refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
         return UnsupportedFeatureError(f"{self._where} does not support {feature}; {way_out}")
 
+    # SGLang stamps the runner's resolved names on its backend after building it (#28559); the
+    # attnhost backend inside carries the same stamps, so attnhost-side dispatch agrees with SGLang's.
+    @property
+    def prefill_attention_backend_str(self) -> str | None:
+        return self.__dict__.get("_prefill_str")
+
+    @prefill_attention_backend_str.setter
+    def prefill_attention_backend_str(self, name: str | None) -> None:
+        self.__dict__["_prefill_str"] = name
+        if (inner := self.__dict__.get("attnhost_backend")) is not None:
+            inner.prefill_attention_backend_str = name
+
+    @property
+    def decode_attention_backend_str(self) -> str | None:
+        return self.__dict__.get("_decode_str")
+
+    @decode_attention_backend_str.setter
+    def decode_attention_backend_str(self, name: str | None) -> None:
+        self.__dict__["_decode_str"] = name
+        if (inner := self.__dict__.get("attnhost_backend")) is not None:
+            inner.decode_attention_backend_str = name
+
     # -- construction-time checks -----------------------------------------------------
 
     def _check_runner(self, runner: Any) -> None:

@@ -1,0 +1,160 @@
+"""attnhost's ``torch_native`` inside SGLang, against SGLang's own, on the same SGLang batches and pools.
+
+    python benchmarks/bench_sglang_bridge.py [--quick]      (in the `sglang` tox environment's Python)
+
+Three subjects per case, interleaved (A, B, C, A, B, C, ...) in one process:
+
+* ``sglang``: SGLang 0.5.23's ``TorchNativeAttnBackend``, built by name from
+  SGLang's ``ATTENTION_BACKENDS``;
+* ``bridge``: ``attnhost_torch_native`` from the same registry — SGLang's
+  interface through attnhost's adapter;
+* ``direct``: the very attnhost backend inside that adapter, called with
+  the attnhost batch and layer the adapter built, on the same tensors.
+
+Batches and pools come from SGLang's own dense test kit
+(``build_dense_attention_fixture``: real ``ReqToTokenPool``,
+``MHATokenToKVPool`` and ``RadixAttention``, prefix K/V written through
+the pool). Slots are laid out as the kit's ``shuffled_pages`` (fragmented,
+as a long-running server's are) and ``contiguous`` (a fresh pool). One
+figure is the time of one layer's attention call, init excluded; the
+per-batch ``init_forward_metadata`` is timed separately as ``init``.
+Ratios: ``sglang / bridge`` (speed-up, target >= 2 on decode, >= 1 on
+extend) and ``bridge / direct`` (adapter overhead, target <= 1.03).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import unittest
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests" / "sglang" / "scaffolding"))
+
+import shim  # noqa: E402
+
+shim.install()  # SGLang imports torchvision at module level (see tests/sglang/scaffolding/shim.py)
+
+import torch  # noqa: E402
+from _common import interleaved, per_call  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+class _Case(unittest.TestCase):
+    def runTest(self) -> None:  # pragma: no cover
+        pass
+
+
+def _cases(quick: bool) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]:
+    """(label, mode, prefix_lens, extend_lens)."""
+    contexts = (512, 4096) if quick else (512, 1024, 4096)
+    batches = (1, 16) if quick else (1, 16, 64)
+    cases = [
+        (f"decode b={b} ctx={ctx}", "decode", (ctx - 1,) * b, ())
+        for b in batches
+        for ctx in contexts
+        if b * ctx <= 64 * 4096
+    ]
+    cases.append(("extend b=4 new=512 no prefix", "extend", (0,) * 4, (512,) * 4))
+    cases.append(("extend b=4 new=128 prefix=1024", "extend", (1024,) * 4, (128,) * 4))
+    return cases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases and rounds")
+    parser.add_argument("--layout", choices=("shuffled_pages", "contiguous", "both"), default="both")
+    options = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
+
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
+        DenseAttentionCase,
+        build_dense_attention_fixture,
+    )
+
+    layouts = ("shuffled_pages", "contiguous") if options.layout == "both" else (options.layout,)
+    rounds = 5 if options.quick else 9
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
+    print(f"{'case':<34} {'layout':<15} {'sglang':>10} {'bridge':>10} {'direct':>10} {'speed-up':>9} {'overhead':>9}")
+    worst_overhead, worst = 0.0, {"decode": float("inf"), "extend": float("inf")}
+    for layout in layouts:
+        for label, mode, prefix, extend in _cases(options.quick):
+            case = DenseAttentionCase(
+                name=label,
+                backend="torch_native",
+                forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+                num_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                page_size=1,
+                prefix_lens=prefix,
+                extend_lens=extend,
+            )
+            max_context = max(p + max(extend or (1,)) for p in prefix) + 1
+            with torch.no_grad():
+                fixture = build_dense_attention_fixture(
+                    _Case(),
+                    case,
+                    head_dim=HEAD_DIM,
+                    hidden_size=HEADS * HEAD_DIM,
+                    max_context_len=max_context,
+                    dtype=torch.float32,
+                    device="cpu",
+                    loc_layout=layout,
+                )
+            runner, batch = fixture.runner, fixture.forward_batch
+            layer = fixture.actual_module.attn
+            sglang_backend = fixture.backend
+            bridge = ATTENTION_BACKENDS["attnhost_torch_native"](runner)
+            tokens = case.num_input_tokens
+            q = torch.randn(tokens, HEADS * HEAD_DIM)
+            k = torch.randn(tokens, KV_HEADS, HEAD_DIM)  # as RadixAttention hands them to a backend
+            v = torch.randn(tokens, KV_HEADS, HEAD_DIM)
+            sglang_backend.init_forward_metadata(batch)
+            bridge.init_forward_metadata(batch)
+            inner, attnhost_batch = bridge.attnhost_backend, bridge._batch
+            bridge.forward(q, k, v, layer, batch)  # converts the layer once, as the first forward does
+            attnhost_layer = bridge._layers[layer.layer_id]
+            q3 = q.view(tokens, HEADS, HEAD_DIM)
+            direct_method = inner.forward_decode if mode == "decode" else inner.forward_extend
+            number = max(3, int(3e5 // (sum(prefix) + tokens + 1)))
+            with torch.no_grad():
+                torch.testing.assert_close(
+                    bridge.forward(q, k, v, layer, batch),
+                    sglang_backend.forward(q, k, v, layer, batch),
+                    atol=2e-4,
+                    rtol=2e-4,
+                )
+                stats = interleaved(
+                    {
+                        "sglang": per_call(sglang_backend.forward, number, q, k, v, layer, batch),
+                        "bridge": per_call(bridge.forward, number, q, k, v, layer, batch),
+                        "direct": per_call(direct_method, number, q3, k, v, attnhost_layer, attnhost_batch),
+                    },
+                    rounds,
+                )
+            s, b, d = (stats[name].median for name in ("sglang", "bridge", "direct"))
+            speed_up, overhead = s / b, b / d
+            worst[mode] = min(worst[mode], speed_up)
+            worst_overhead = max(worst_overhead, overhead)
+            print(
+                f"{label:<34} {layout:<15} {s * 1e6:>8.0f}us {b * 1e6:>8.0f}us {d * 1e6:>8.0f}us "
+                f"{speed_up:>8.2f}x {overhead:>8.3f}"
+            )
+    print(
+        f"worst speed-up: decode {worst['decode']:.2f}x (target >= 2), extend {worst['extend']:.2f}x (target >= 1); "
+        f"worst adapter overhead {worst_overhead:.3f} (target <= 1.03)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""The adapter's edges: what it refuses (never a wrong number), idle batches, stamps, isolation.
+
+Fixtures are SGLang's own test-kit fixtures (real pools, real
+``RadixAttention``), built by name through SGLang's ``ATTENTION_BACKENDS``
+after SGLang's own ``load_plugins()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import unittest
+
+import pytest
+import torch
+from sglang.srt.plugins import load_plugins
+
+load_plugins()
+
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (  # noqa: E402
+    DenseAttentionCase,
+    build_dense_attention_fixture,
+    make_dense_cases,
+)
+
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend, UnsupportedFeatureError  # noqa: E402
+
+
+class _KitCase(unittest.TestCase):
+    def runTest(self) -> None:  # pragma: no cover
+        pass
+
+    def skipTest(self, reason: object) -> None:
+        raise AssertionError(f"the kit skipped the case: {reason}")
+
+
+def _fixture(backend: str = "tiny", **changes: object):  # type: ignore[no-untyped-def]
+    case = dataclasses.replace(make_dense_cases(backend)[0], **changes)
+    with torch.no_grad():
+        return build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+
+
+def _qkv(fixture):  # type: ignore[no-untyped-def]
+    case = fixture.case
+    tokens = case.num_input_tokens
+    return (
+        torch.randn(tokens, case.num_heads * 16),
+        torch.randn(tokens, case.num_kv_heads, 16),
+        torch.randn(tokens, case.num_kv_heads, 16),
+    )
+
+
+def test_a_sliding_window_model_is_refused_at_construction() -> None:
+    case = dataclasses.replace(make_dense_cases("tiny")[0], sliding_window_size=4)
+    with pytest.raises(UnsupportedFeatureError, match=r"attnhost backend 'tiny' .* does not support sliding-window"):
+        build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "feature"),
+    [
+        ("logit_cap", 30.0, "logit capping"),
+        ("sliding_window_size", 8, "sliding-window attention"),
+        ("is_cross_attention", True, "cross-attention"),
+        ("v_head_dim", 8, "a V head dim"),
+    ],
+)
+def test_a_layer_the_contract_cannot_express_is_refused_on_its_first_forward(
+    attribute: str, value: object, feature: str
+) -> None:
+    fixture = _fixture()
+    layer = fixture.actual_module.attn
+    setattr(layer, attribute, value)
+    fixture.backend.init_forward_metadata(fixture.forward_batch)
+    q, k, v = _qkv(fixture)
+    with pytest.raises(UnsupportedFeatureError, match=f"'tiny'.*does not support {feature}"):
+        fixture.backend.forward(q, k, v, layer, fixture.forward_batch)
+
+
+def test_extra_attention_arguments_are_refused_not_ignored() -> None:
+    fixture = _fixture()
+    fixture.backend.init_forward_metadata(fixture.forward_batch)
+    q, k, v = _qkv(fixture)
+    with pytest.raises(UnsupportedFeatureError, match="extra attention arguments sinks"):
+        fixture.backend.forward_extend(q, k, v, fixture.actual_module.attn, fixture.forward_batch, sinks=torch.ones(4))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2])
+def test_tree_masked_speculative_batches_are_refused(mode: ForwardMode) -> None:
+    fixture = _fixture()
+    fixture.forward_batch.forward_mode = mode
+    with pytest.raises(UnsupportedFeatureError, match="tree-masked"):
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+
+
+def test_cuda_graph_capture_is_refused_with_the_way_out() -> None:
+    backend = _fixture().backend
+    with pytest.raises(UnsupportedFeatureError, match=r"CUDA-graph capture.*--disable-cuda-graph"):
+        backend.init_cuda_graph_state(8, 64)
+    with pytest.raises(UnsupportedFeatureError, match="CUDA-graph capture"):
+        backend.init_forward_metadata_out_graph(None, in_capture=True)
+
+
+def test_an_idle_batch_gives_an_empty_result() -> None:
+    fixture = _fixture()
+    idle = ForwardBatch(
+        forward_mode=ForwardMode.IDLE,
+        batch_size=0,
+        input_ids=torch.empty(0, dtype=torch.int64),
+        req_pool_indices=torch.empty(0, dtype=torch.int32),
+        seq_lens=torch.empty(0, dtype=torch.int32),
+        out_cache_loc=torch.empty(0, dtype=torch.int64),
+        seq_lens_sum=0,
+    )
+    fixture.backend.init_forward_metadata(idle)
+    out = fixture.backend.forward(
+        torch.empty(0, 64), torch.empty(0, 4, 16), torch.empty(0, 4, 16), fixture.actual_module.attn, idle
+    )
+    assert out.shape == (0, 64)
+
+
+def test_sglangs_stamps_reach_the_attnhost_backend_and_runners_do_not_share() -> None:
+    first, second = _fixture(), _fixture()
+    assert isinstance(first.backend, SGLangAdapterBackend)
+    first.backend.prefill_attention_backend_str = "tiny"
+    first.backend.decode_attention_backend_str = "batched_matmul"
+    inner = first.backend.attnhost_backend
+    assert (inner.prefill_attention_backend_str, inner.decode_attention_backend_str) == ("tiny", "batched_matmul")
+    assert second.backend.attnhost_backend is not inner
+    assert second.backend.attnhost_backend.decode_attention_backend_str is None
+
+
+def test_a_decode_batch_computes_the_same_as_sglangs_torch_native() -> None:
+    """Independent of the kit's reference: SGLang's own backend on the very same pools and batch."""
+    case = DenseAttentionCase(
+        name="gqa_decode",
+        backend="tiny",
+        forward_mode=ForwardMode.DECODE,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=16,
+        prefix_lens=(14, 15, 16),
+    )
+    with torch.no_grad():
+        fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+        sglang_backend = ATTENTION_BACKENDS["torch_native"](fixture.runner)
+        q, k, v = _qkv(fixture)
+        layer, batch = fixture.actual_module.attn, fixture.forward_batch
+        fixture.backend.init_forward_metadata(batch)
+        ours = fixture.backend.forward(q, k, v, layer, batch)
+        sglang_backend.init_forward_metadata(batch)
+        theirs = sglang_backend.forward(q, k, v, layer, batch)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
