@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scaffolding"))
-import shim  # noqa: E402
+import shim
 
 # SGLang imports torchvision at module level (see scaffolding/shim.py); the spawned child re-imports this file.
 shim.install()
