@@ -32,7 +32,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "sglang" / "shims"))  # SGLang imports torchvision (see its docstring)
+sys.path.insert(0, str(HERE.parent / "tests" / "sglang" / "scaffolding"))
+
+import shim  # noqa: E402
+
+shim.install()  # SGLang imports torchvision at module level (see tests/sglang/scaffolding/shim.py)
 
 import torch  # noqa: E402
 from _common import interleaved, per_call  # noqa: E402

@@ -2,14 +2,23 @@
 
 The default environment ignores this directory (``tox.ini``); run here
 without SGLang installed, every test is skipped with the reason. Test
-scaffolding lives beside the tests and nowhere else: ``shims/torchvision``
-(see its docstring) is put first on ``sys.path`` and on ``PYTHONPATH`` for
-every subprocess, because SGLang imports torchvision at module level and
-PyPI's torchvision cannot import beside the CPU torch.
+scaffolding lives beside the tests and nowhere else (README.md here lists
+it): SGLang imports torchvision at module level and PyPI's torchvision cannot
+import beside the CPU torch, so ``scaffolding/shim.py`` installs a minimal
+torchvision in this process, and every script SGLang runs from here
+(``probe_sglang.py``, ``scaffolding/run_engine.py``,
+``scaffolding/launch_server.py``) installs it in its own.
+
+Session fixtures: ``model_dir`` (a tiny Llama config, no weights, for
+argument resolution), ``tiny_model`` (the same shape with seeded weights and
+a locally trained tokenizer, plus HF transformers' greedy ids), and
+``sglang_site`` (the test-only platform and probe, installed as
+distributions).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -21,12 +30,23 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).parent
-SHIMS = HERE / "shims"
+SCAFFOLDING = HERE / "scaffolding"
+sys.path.insert(0, str(HERE))  # the sgl_* helper modules next to this file
 
-pytest.importorskip("sglang", reason="SGLang is not installed: run `tox -e sglang`")
-if str(SHIMS) not in sys.path:
-    sys.path.insert(0, str(SHIMS))
-os.environ["PYTHONPATH"] = os.pathsep.join([str(SHIMS), *filter(None, [os.environ.get("PYTHONPATH")])])
+try:
+    # Asked by distribution, not by module: with tests/ on sys.path this directory is itself a namespace
+    # package called "sglang".
+    importlib.metadata.distribution("sglang")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("SGLang is not installed: run `tox -e sglang`", allow_module_level=True)
+
+if str(SCAFFOLDING) not in sys.path:
+    sys.path.insert(0, str(SCAFFOLDING))
+import shim  # noqa: E402
+
+shim.install()
+
+from sgl_e2e import NEW_TOKENS, TinyModel  # noqa: E402
 
 
 def run_probe(
@@ -38,7 +58,7 @@ def run_probe(
 ) -> dict[str, Any]:
     """Run ``probe_sglang.py`` in a fresh interpreter and return its report."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("ATTNHOST_", "SGLANG_PLUGINS"))}
-    environ["PYTHONPATH"] = os.pathsep.join([str(SHIMS), *map(str, path_entries), os.environ.get("PYTHONPATH", "")])
+    environ["PYTHONPATH"] = os.pathsep.join([*map(str, path_entries), os.environ.get("PYTHONPATH", "")])
     environ.update(env or {})
     result = subprocess.run(
         [sys.executable, str(HERE / "probe_sglang.py"), json.dumps(spec)],
@@ -71,3 +91,23 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         architectures=["LlamaForCausalLM"],
     ).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def sglang_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sgl_scaffold import install_test_plugins
+
+    return install_test_plugins(tmp_path_factory.mktemp("sglang-site"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    import sgl_tiny_model as tm
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tm.build_model(path)
+    prompts = tm.prompt_ids(path)
+    hf_ids = tm.hf_greedy(path, prompts, NEW_TOKENS)
+    assert all(len(ids) == NEW_TOKENS for ids in hf_ids)
+    assert hf_ids[0] != hf_ids[1]  # two different continuations, so a mixed-up batch cannot pass
+    return TinyModel(path, prompts, hf_ids)

@@ -18,7 +18,14 @@ import json
 import logging
 import multiprocessing
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scaffolding"))
+import shim
+
+# SGLang imports torchvision at module level (see scaffolding/shim.py); the spawned child re-imports this file.
+shim.install()
 
 
 class _Collect(logging.Handler):

@@ -1,0 +1,100 @@
+"""A tiny Llama-style model and tokenizer, made locally and seeded (no download).
+
+The weights are random, so the generated text means nothing; what the tests
+compare is token ids, greedy, between HF transformers and SGLang. The
+tokenizer is a byte-level BPE trained here on a seeded synthetic corpus with
+exactly ``VOCAB`` entries, so every id the model can produce decodes.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+VOCAB = 1024
+SPECIAL = ("<s>", "</s>")
+SEED = 1234
+PROMPTS = ("The quick brown fox jumps over", "Attention is all")
+
+_SYLLABLES = "ka ri to mu sen la ve on ar qui dex zo pha tri el nu gor bi sa ten mo ul vy ash ren cor ti pa lo ex"
+_SYLLABLES += " um ba ne ra sho fi gel dro wen yi tas hol mir kev"
+
+
+def _corpus(seed: int, lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    syllables = _SYLLABLES.split()
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 4))) for _ in range(800)]
+    words += " ".join(PROMPTS).lower().split()
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(4, 16))) for _ in range(lines)]
+
+
+def build_tokenizer(out: Path, seed: int = SEED) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=list(SPECIAL),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB:
+        raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} entries, expected {VOCAB}")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=SPECIAL[0], eos_token=SPECIAL[1])
+    fast.save_pretrained(out)
+
+
+def build_model(out: Path, seed: int = SEED) -> None:
+    """Write a seeded random LlamaForCausalLM (float32) and its tokenizer to *out*."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, seed)
+    tok = AutoTokenizer.from_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+
+
+def prompt_ids(model_dir: Path) -> list[list[int]]:
+    """The prompts as token ids, with the BOS id first."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [[tok.bos_token_id, *tok(p, add_special_tokens=False)["input_ids"]] for p in PROMPTS]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (float32, batched, left-padded, EOS not special)."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=pad
+    )
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    return [row[width:].tolist() for row in out]
