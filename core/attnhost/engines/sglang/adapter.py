@@ -317,7 +317,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
         batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        out = getattr(self.attnhost_backend, method)(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
+        out: Tensor = getattr(self.attnhost_backend, method)(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
         return out.reshape(q3.shape[0], -1)
 
     def _prepare(
