@@ -27,6 +27,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
+BATCHES_DECODE = [(5, 1), (17, 1), (1, 1), (40, 1)]
+
 PAD_SLOT = -1
 """vLLM's slot id for padded token rows."""
 

@@ -22,6 +22,15 @@ OVERRIDE_ENV = "ATTNHOST_VLLM_OVERRIDE"
 
 def register() -> None:
     """vLLM's general-plugin entry point: register attnhost's backends in ``AttentionBackendEnum``."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from attnhost.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            "attnhost.engines.vllm.register() is vLLM's plugin hook, but vLLM is not installed; "
+            "install vllm, or do not call it (attnhost itself never does)"
+        )
     from attnhost.engines.vllm.bridge import install
 
     install()
