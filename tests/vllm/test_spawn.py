@@ -9,9 +9,9 @@ carry a value that registers attnhost's backends while it is unpickled.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import pickle
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,21 +19,6 @@ import spawn_child
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-}
-
 
 def spawned(target: Any, *args: Any) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
@@ -49,16 +34,12 @@ def spawned(target: Any, *args: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engine_config(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def engine_config(tiny_model: str) -> Any:
     """A VllmConfig built the way `vllm serve` builds it: vLLM's own parser, EngineArgs, create_engine_config."""
-    import json
-
-    model = Path(tmp_path_factory.mktemp("tiny-llama"))
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(
         [
-            "--model", str(model), "--skip-tokenizer-init", "--max-model-len", "256",
+            "--model", tiny_model, "--skip-tokenizer-init", "--max-model-len", "256",
             "--attention-backend", "torch_native",
             "--speculative-config",
             json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
