@@ -187,9 +187,9 @@ def _metadata(reqs: list[Request], block_size: int, padding: int) -> CommonAtten
     table[len(reqs) :] = 7
     for i, r in enumerate(reqs):
         table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
-    slots = [
-        r.blocks[p // block_size] * block_size + p % block_size for r in reqs for p in range(r.prefix, r.seq)
-    ] + [PAD_SLOT] * padding
+    slots = [r.blocks[p // block_size] * block_size + p % block_size for r in reqs for p in range(r.prefix, r.seq)] + [
+        PAD_SLOT
+    ] * padding
     query_start_loc = torch.tensor(starts, dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc,

@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 OURS = ("TORCH_NATIVE", "TINY", "BATCHED_MATMUL", "FLEX_ATTENTION", "ATTNHOST_FLEX_ATTENTION")
 
 CLASH_PLUGIN = {
-    "acme_flex": '''
+    "acme_flex": """
 from attnhost import BackendSpec, hookimpl
 
 
@@ -25,15 +25,15 @@ from attnhost import BackendSpec, hookimpl
 def attnhost_attention_backends():
     return [BackendSpec(name="flex_attention", factory="acme_flex.backend:FlexLike", requires=("torch",),
                         description="a plugin implementing a name vLLM already has")]
-''',
-    "acme_flex.backend": '''
+""",
+    "acme_flex.backend": """
 from attnhost import BackendCapabilities
 from attnhost_tiny import TinyAttnBackend
 
 
 class FlexLike(TinyAttnBackend):
     capabilities = BackendCapabilities(dtypes=("float16", "bfloat16"), head_dims=(64, 128))
-''',
+""",
 }
 
 
@@ -65,7 +65,9 @@ def main() -> None:
         "registered": sorted(name for name in members if path(name).startswith("attnhost.")),
         "paths": {name: path(name) for name in OURS if name in members},
         "log": records.lines,
-        "has": {name: name in members for name in ("FA3", "ATTNHOST_FLASHINFER", "FLASHINFER", "ATTNHOST_TORCH_NATIVE")},
+        "has": {
+            name: name in members for name in ("FA3", "ATTNHOST_FLASHINFER", "FLASHINFER", "ATTNHOST_TORCH_NATIVE")
+        },
     }
     if "ATTNHOST_FLEX_ATTENTION" in members or os.environ.get("ATTNHOST_VLLM_OVERRIDE"):
         import torch

@@ -66,7 +66,11 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
 
 def test_every_implemented_backend_is_a_vllm_backend_with_its_own_class() -> None:
     classes = {}
-    for name, attnhost_name in (("TORCH_NATIVE", "torch_native"), ("TINY", "tiny"), ("BATCHED_MATMUL", "batched_matmul")):
+    for name, attnhost_name in (
+        ("TORCH_NATIVE", "torch_native"),
+        ("TINY", "tiny"),
+        ("BATCHED_MATMUL", "batched_matmul"),
+    ):
         member = AttentionBackendEnum[name]
         assert isinstance(member.value, ClassPath) and member.value == f"attnhost.engines.vllm.backends.{name}"
         cls = member.get_class()
@@ -79,7 +83,9 @@ def test_every_implemented_backend_is_a_vllm_backend_with_its_own_class() -> Non
 def test_vllm_parser_takes_the_names(tiny_model: str) -> None:
     """`vllm serve --attention-backend torch_native`: vLLM's own parser and EngineArgs, then its enum lookup."""
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", tiny_model, "--attention-backend", "batched_matmul"]))
+    args = AsyncEngineArgs.from_cli_args(
+        parser.parse_args(["--model", tiny_model, "--attention-backend", "batched_matmul"])
+    )
     assert args.attention_backend == "batched_matmul"
     assert AttentionBackendEnum[args.attention_backend.upper()].get_class().identity.attnhost_name == "batched_matmul"
 

@@ -238,7 +238,10 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         default_host().freeze()  # a runner exists: from now on the registry must not move
         empty = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
         runner = _RunnerView(
-            self.device, self.dtype, bool(kv_cache_spec.is_draft), VLLMKVCache(self.device, self.dtype, empty, self.views)
+            self.device,
+            self.dtype,
+            bool(kv_cache_spec.is_draft),
+            VLLMKVCache(self.device, self.dtype, empty, self.views),
         )
         try:
             backend = identity.factory(runner)
@@ -265,7 +268,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self._check_batch(m)
         num_reqs = m.num_reqs
         starts = m.query_start_loc_cpu[: num_reqs + 1].tolist()
-        query_lens = [end - start for start, end in zip(starts, starts[1:], strict=False)]
+        query_lens = [end - start for start, end in itertools.pairwise(starts)]
         # Rows past the last real request may be padding (no query tokens): drop them.
         while query_lens and query_lens[-1] == 0:
             query_lens.pop()
@@ -285,7 +288,9 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             mode = ForwardMode.DECODE
         else:
             mode = ForwardMode.MIXED if min(query_lens) == 1 else ForwardMode.EXTEND
-        kv = VLLMKVCache(self.device, self.dtype, self._req_to_token(m.block_table_tensor, num_reqs, seq_cpu), self.views)
+        kv = VLLMKVCache(
+            self.device, self.dtype, self._req_to_token(m.block_table_tensor, num_reqs, seq_cpu), self.views
+        )
         batch = ForwardBatch(
             forward_mode=mode,
             kv_pool=kv,
@@ -407,19 +412,14 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         batch, kv = attn_metadata.batch, attn_metadata.kv
         if batch is None or kv is None:
             return output
+        if key is None or value is None:
+            raise self.identity.refuse("K/V written by a fused op before attention (the KV-cache update bypass)")
         attn_layer = self.layer
         views = kv.views.get(attn_layer.layer_id)
         if views is None or views[2] is not kv_cache:
             kv.views[attn_layer.layer_id] = self._views(kv_cache)
         n = attn_metadata.num_actual_tokens
-        out = attn_metadata.backend.forward(
-            query[:n],
-            key[:n] if key is not None else None,
-            value[:n] if value is not None else None,
-            attn_layer,
-            batch,
-            key is not None and value is not None,
-        )
+        out = attn_metadata.backend.forward(query[:n], key[:n], value[:n], attn_layer, batch, True)
         output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
         return output
 
@@ -503,7 +503,9 @@ def make_backend_class(engine_name: str, backend: ExportedBackend) -> type[Attnh
 
     impl = named(AttnhostVLLMImpl, "Impl", {})
     builder = named(AttnhostVLLMMetadataBuilder, "Builder", {})
-    dtypes = [getattr(torch, name) for name in capabilities.dtypes if isinstance(getattr(torch, name, None), torch.dtype)]
+    dtypes = [
+        getattr(torch, name) for name in capabilities.dtypes if isinstance(getattr(torch, name, None), torch.dtype)
+    ]
     kv_dtypes = ["auto", *(name for name in capabilities.dtypes if name in _VLLM_KV_DTYPES)]
     cls: type[AttnhostVLLMBackend] = named(
         AttnhostVLLMBackend,
