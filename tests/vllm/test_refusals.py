@@ -195,3 +195,15 @@ def test_non_causal_and_cross_attention_batches_are_refused() -> None:
         with pytest.raises(UnsupportedFeatureError) as info:
             builder.build(0, case.metadata.replace(**change))
         assert_names_backend_and(feature, info.value)
+
+
+def test_kv_update_bypass_is_refused() -> None:
+    """A model that wrote K/V with a fused op and passes key=None: the adapter does not declare that bypass."""
+    cls = backend()
+    assert cls.supports_kv_cache_update_bypass is False and cls.forward_includes_kv_cache_update is True
+    case = make_case(BATCHES_DECODE, block_size=16, num_heads=4, num_kv_heads=2)
+    metadata = cls.get_builder_cls()(case.spec, ["layer.0"], VllmConfig(), "cpu").build(0, case.metadata)
+    q, _, _ = case.layer_inputs(0, torch.float32)
+    with pytest.raises(UnsupportedFeatureError) as info:
+        impl().forward(None, q, None, None, case.caches[0], metadata, output=torch.empty(q.shape[0], 4, 32))  # type: ignore[attr-defined]
+    assert_names_backend_and("KV-cache update bypass", info.value)
