@@ -22,6 +22,13 @@ vLLM's ``CommonAttentionMetadata`` for the batch.
 
 So the ratio is everything the adapter adds: deriving the batch from vLLM's
 metadata, per-layer view lookup and slicing, and the copy into ``output``.
+
+On a shared, loaded machine the two medians each move by several per cent
+from run to run, far more than the adapter costs. So the adapter's own work
+is also timed alone — the same adapter path around a backend that does
+nothing (``init_forward_metadata`` returns, ``forward`` returns a ready
+tensor) — and reported as a share of the direct call: ``adapter alone /
+direct``, the overhead figure with the attention's noise taken out.
 With ``--layers N`` the per-batch part is shared by N layers, as in a
 model; the default (4) is far fewer layers than any real model has, so the
 per-batch part weighs more here than in serving.
@@ -169,10 +176,41 @@ def setup(requests: list[tuple[int, int]], layers: int, backend_name: str) -> tu
         for impl, (q, k, v) in zip(impls, inputs, strict=True):
             direct_backend.forward(q, k, v, impl.layer, direct_batch, True)
 
-    def build_only() -> None:
-        builder.build(0, common)
+    null_builder = cls.get_builder_cls()(spec, names, VllmConfig(), "cpu")
+    null_builder.attnhost_backend = null_backend(torch.empty(tokens, HEADS, HEAD_DIM))
 
-    return adapter, direct, build_only
+    def adapter_alone() -> None:
+        meta = null_builder.build(0, common)
+        for impl, cache, (q, k, v) in zip(impls, caches, inputs, strict=True):
+            impl.forward(None, q, k, v, cache, meta, output=output)
+
+    return adapter, direct, adapter_alone
+
+
+def _null_backend_class() -> type:
+    from attnhost.backend import AttentionBackend
+
+    class NullBackend(AttentionBackend):
+        """Does no attention: what is left of a forward through the adapter is the adapter's own work."""
+
+        def __init__(self, out: Any) -> None:
+            super().__init__(None)
+            self.out = out
+
+        def init_forward_metadata(self, forward_batch: Any) -> None:
+            return None
+
+        def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save: bool = True) -> Any:
+            return self.out
+
+        def forward_decode(self, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any, save: bool = True) -> Any:
+            return self.out
+
+    return NullBackend
+
+
+def null_backend(out: Any) -> Any:
+    return _null_backend_class()(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,21 +232,24 @@ def main(argv: list[str] | None = None) -> int:
         f"head_dim {HEAD_DIM}, float32, block size {BLOCK}, {args.layers} layers per forward, "
         f"{torch.get_num_threads()} torch thread(s), median of {rounds}"
     )
-    print(f"| case | adapter | direct | ratio (target <= {TARGET}) | build (per forward) |")
-    print("| --- | --- | --- | --- | --- |")
+    print(
+        f"| case | adapter | direct | ratio | adapter alone | overhead: alone / direct (target <= {TARGET - 1:.0%}) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
     worst = 0.0
     with torch.inference_mode():
         for label, requests in cases(args.quick):
-            adapter, direct, build_only = setup(requests, args.layers, args.backend)
-            stats: dict[str, Stats] = interleaved({"adapter": adapter, "direct": direct, "build": build_only}, rounds)
+            adapter, direct, alone = setup(requests, args.layers, args.backend)
+            stats: dict[str, Stats] = interleaved({"adapter": adapter, "direct": direct, "alone": alone}, rounds)
             ratio = stats["adapter"].median / stats["direct"].median
-            worst = max(worst, ratio)
+            share = stats["alone"].median / stats["direct"].median
+            worst = max(worst, share)
             print(
                 f"| {label} | {stats['adapter'].median * 1e3:.2f} ms (±{stats['adapter'].spread:.0%}) "
                 f"| {stats['direct'].median * 1e3:.2f} ms (±{stats['direct'].spread:.0%}) | {ratio:.3f} "
-                f"| {stats['build'].median * 1e6:.0f} us |"
+                f"| {stats['alone'].median * 1e6:.0f} us (±{stats['alone'].spread:.0%}) | {share:.2%} |"
             )
-    print(f"worst ratio {worst:.3f}: target {'met' if worst <= TARGET else 'NOT met'}")
+    print(f"largest overhead {worst:.2%}: target {'met' if worst <= TARGET - 1 else 'NOT met'}")
     return 0
 
 

@@ -7,13 +7,23 @@ is a fresh interpreter, so ``sys.modules`` shows exactly what was imported.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 
 import pytest
 from helpers import run_cli, run_python
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+
+def _vllm_installed() -> bool:
+    # the distribution, not find_spec: with tests/ on sys.path, tests/vllm/ looks like a namespace package "vllm"
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(_vllm_installed(), reason="vLLM is installed here")
 
 PROBE = """
 import json, sys
