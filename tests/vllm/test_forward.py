@@ -102,3 +102,19 @@ def test_kv_views_are_vllms_memory() -> None:
     r = case.requests[1]
     row = kv.req_to_token[1, : r.seq].tolist()
     assert row == [r.blocks[p // 16] * 16 + p % 16 for p in range(r.seq)]
+
+
+def test_each_builder_gets_its_own_backend_stamped_with_its_name() -> None:
+    """Target and draft groups (or two KV-cache groups) never share an attnhost backend (SGLang #28559)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cls = AttentionBackendEnum.TINY.get_class()
+    target_spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    draft_spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, is_draft=True)
+    target = cls.get_builder_cls()(target_spec, ["model.layers.0.attn"], VllmConfig(), "cpu")
+    draft = cls.get_builder_cls()(draft_spec, ["draft.layers.0.attn"], VllmConfig(), "cpu")
+    assert target.attnhost_backend is not draft.attnhost_backend
+    assert type(target.attnhost_backend).__name__ == "TinyAttnBackend"
+    for builder in (target, draft):
+        backend = builder.attnhost_backend
+        assert backend.prefill_attention_backend_str == backend.decode_attention_backend_str == "tiny"
