@@ -204,9 +204,9 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
         return False
 
     @classmethod
-    def validate_configuration(cls, **kwargs: Any) -> list[str]:
+    def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
         """vLLM's checks, each reason naming the attnhost backend, plus what only attnhost knows to refuse."""
-        reasons: list[str] = list(super().validate_configuration(**kwargs))
+        reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
         if kwargs.get("use_non_causal"):
             reasons.append("non-causal attention not supported")
         return [f"{cls.identity.where}: {reason}" for reason in reasons]
