@@ -205,10 +205,8 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
 
     @classmethod
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
-        """vLLM's checks, each reason naming the attnhost backend, plus what only attnhost knows to refuse."""
+        """vLLM's own checks against what this class declares, each reason naming the attnhost backend."""
         reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
-        if kwargs.get("use_non_causal"):
-            reasons.append("non-causal attention not supported")
         return [f"{cls.identity.where}: {reason}" for reason in reasons]
 
 
