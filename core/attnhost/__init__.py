@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 _PUBLIC: dict[str, str] = {
     "errors": "AttnhostError BackendUnavailableError InvalidPluginError KVPoolFullError NoForwardContextError "
-    "PlatformError PluginLoadError RankCheckError RankMismatchError RegistryFrozenError UnknownBackendError",
+    "PlatformError PluginLoadError RankCheckError RankMismatchError RegistryFrozenError UnknownBackendError "
+    "UnsupportedFeatureError",
     "spec": "BackendFactory BackendSpec",
     "hooks": "hookimpl",
     "discovery": "ENTRY_POINT_GROUP PluginInfo PluginStatus",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests
         RankMismatchError,
         RegistryFrozenError,
         UnknownBackendError,
+        UnsupportedFeatureError,
     )
     from attnhost.forward_batch import ForwardBatch, KVPool
     from attnhost.forward_mode import ForwardMode

@@ -22,6 +22,7 @@ __all__ = [
     "RankMismatchError",
     "RegistryFrozenError",
     "UnknownBackendError",
+    "UnsupportedFeatureError",
     "describe_exception",
     "one_line",
     "plugin_label",
@@ -48,6 +49,10 @@ class UnknownBackendError(AttnhostError, ValueError):
 
 class BackendUnavailableError(AttnhostError, RuntimeError):
     """A known backend that cannot be built here (declared only, wrong platform, missing module)."""
+
+
+class UnsupportedFeatureError(BackendUnavailableError, NotImplementedError):
+    """An engine asked an attnhost backend for what the attnhost contract cannot express (MLA, a sliding window, ...)."""
 
 
 class PlatformError(AttnhostError, ValueError):

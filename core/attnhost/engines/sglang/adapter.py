@@ -28,7 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangFo
 from torch import Tensor
 
 from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
-from attnhost.errors import BackendUnavailableError
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 
@@ -37,10 +37,6 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
 
 __all__ = ["SGLangAdapterBackend", "UnsupportedFeatureError"]
-
-
-class UnsupportedFeatureError(BackendUnavailableError, NotImplementedError):
-    """SGLang asked an attnhost backend for something the attnhost contract cannot do."""
 
 
 _MODES = {

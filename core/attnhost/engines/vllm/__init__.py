@@ -1,0 +1,36 @@
+"""attnhost inside vLLM: every implemented, available attnhost backend becomes a vLLM attention backend.
+
+attnhost's distribution declares ``attnhost = "attnhost.engines.vllm:register"``
+in vLLM's general-plugin group ``vllm.general_plugins``, so vLLM's own
+``load_general_plugins()`` — which runs in ``AsyncEngineArgs.add_cli_args``
+(before the parser is built), ``EngineArgs.__post_init__``,
+``EngineCore.__init__`` and ``WorkerWrapperBase.init_worker``, i.e. in every
+process — calls :func:`register`. ``VLLM_PLUGINS`` and the ``ATTNHOST_*``
+variables both apply.
+
+Importing this package imports nothing of vLLM (nor torch): only
+:func:`register` does, and only vLLM calls it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["OVERRIDE_ENV", "register"]
+
+OVERRIDE_ENV = "ATTNHOST_VLLM_OVERRIDE"
+"""Comma-separated attnhost backend names allowed to replace vLLM's own backend of that (upper-cased) name."""
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: register attnhost's backends in ``AttentionBackendEnum``."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        from attnhost.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(
+            "attnhost.engines.vllm.register() is vLLM's plugin hook, but vLLM is not installed; "
+            "install vllm, or do not call it (attnhost itself never does)"
+        )
+    from attnhost.engines.vllm.bridge import install
+
+    install()

@@ -1,0 +1,517 @@
+"""A vLLM attention backend (backend, metadata builder, impl) that runs an attnhost backend on vLLM's own cache.
+
+The KV cache, without a copy. vLLM gives each layer one tensor, logically
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` with K and V side
+by side on the last axis, and lets a backend choose how that is laid out in
+memory (``supported_kv_cache_layouts``). The adapter asks for ``LBNHC``
+(memory order ``[blocks, block_size, heads, 2 * head_size]``), in which
+``cache.transpose(1, 2).view(-1, heads, 2 * head_size)`` is a zero-copy
+token-major view, and its halves ``[..., :head_size]`` / ``[...,
+head_size:]`` are exactly the strided ``[num_slots, kv_heads, head_dim]``
+buffers attnhost's :class:`~attnhost.KVCache` contract allows. Slot ``block
+* block_size + offset`` is vLLM's own ``slot_mapping`` numbering, so new
+tokens are written at ``slot_mapping`` and ``req_to_token`` is
+``block_table`` expanded to token level — per batch, metadata only.
+
+Batches. One vLLM call per layer covers a mixed prefill + decode batch; it
+becomes one attnhost batch (``DECODE`` when every request brings one token,
+``EXTEND`` / ``MIXED`` otherwise) with ``prefix_len = seq_len - query_len``
+per request, which also covers chunked prefill and prefix caching. The
+output is written into vLLM's ``output`` tensor.
+
+The builder builds the attnhost backend (one per builder, i.e. per vLLM
+runner and KV-cache group, so a draft never shares the target's), the
+attnhost batch and the backend's per-batch metadata; the impl, per layer,
+slices the padded token rows off, calls the backend and copies the result
+into ``output``.
+
+Everything the attnhost contract cannot express is refused with one error
+naming the backend and the feature — by ``validate_configuration`` when
+vLLM selects the backend, and again when a layer or batch asks for it.
+Never a wrong number.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend as VLLMAttentionBackend,
+)
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    KVCacheLayout,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+    is_quantized_kv_cache,
+)
+
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, capabilities_of
+from attnhost.engines.export import ExportedBackend
+from attnhost.engines.vllm.names import BACKENDS_MODULE
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
+from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_mode import ForwardMode
+from attnhost.host import default_host
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = [
+    "AttnhostVLLMBackend",
+    "AttnhostVLLMImpl",
+    "AttnhostVLLMMetadata",
+    "AttnhostVLLMMetadataBuilder",
+    "UnsupportedFeatureError",
+    "VLLMKVCache",
+    "make_backend_class",
+]
+
+KV_LAYOUT = KVCacheLayout.LBNHC
+"""The one vLLM KV-cache layout whose per-layer tensor has a zero-copy token-major view."""
+
+_VLLM_KV_DTYPES = ("float16", "bfloat16")
+"""Dtype names vLLM's ``--kv-cache-dtype`` accepts besides ``auto`` that an attnhost backend may declare."""
+
+_layer_ids = itertools.count()
+"""attnhost layer ids: one per vLLM attention layer (impl) in this process, so KV views never mix."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Identity:
+    """Which attnhost backend a vLLM name serves, and how errors name it."""
+
+    engine_name: str
+    attnhost_name: str
+    origin: str
+    factory: Any
+    capabilities: BackendCapabilities
+
+    @property
+    def where(self) -> str:
+        return f"attnhost backend {self.attnhost_name!r} ({self.origin}), vLLM --attention-backend {self.engine_name}"
+
+    def refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
+        return UnsupportedFeatureError(f"{self.where} does not support {feature}; {way_out}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class VLLMKVCache:
+    """attnhost's :class:`~attnhost.KVCache` over vLLM's paged per-layer tensors: views, never copies.
+
+    ``views`` (layer id → K view, V view, the vLLM tensor they view) is owned
+    by the builder and shared by all its batches: each impl binds its layer
+    on its first forward, and again only if vLLM hands it another tensor.
+    """
+
+    __slots__ = ("device", "dtype", "req_to_token", "views")
+
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        req_to_token: torch.Tensor,
+        views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.req_to_token = req_to_token
+        self.views = views
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.views[layer_id][0]
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.views[layer_id][1]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # index_copy_ writes through the strided views into vLLM's tensor (see KVPool.set_kv for why not k[loc] = ...)
+        k_view, v_view, _ = self.views[layer_id]
+        k_view.index_copy_(0, loc, k.to(k_view.dtype))
+        v_view.index_copy_(0, loc, v.to(v_view.dtype))
+
+
+class _RunnerView:
+    """What the attnhost factory receives (:class:`~attnhost.AttentionRunner`) inside vLLM."""
+
+    __slots__ = ("device", "dtype", "is_draft", "kv_pool")
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, is_draft: bool, kv_pool: VLLMKVCache) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.is_draft = is_draft
+        self.kv_pool = kv_pool
+
+
+@dataclass(frozen=True, slots=True)
+class AttnhostVLLMMetadata:
+    """Per-batch metadata: the attnhost batch (``None`` when no request runs) and the backend that planned it."""
+
+    batch: ForwardBatch | None
+    kv: VLLMKVCache | None
+    backend: AttentionBackend
+    num_actual_tokens: int
+
+
+class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM is untyped here
+    """vLLM's backend interface over one attnhost backend; :func:`make_backend_class` makes one subclass per name."""
+
+    identity: ClassVar[_Identity]
+    forward_includes_kv_cache_update: bool = True  # the attnhost backend writes new K/V itself (set_kv)
+    supports_kv_cache_update_bypass: bool = False
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(cls.identity.capabilities.head_dims)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KV_LAYOUT,)
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # the attnhost batch is planned from the host-side query lengths
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
+        """vLLM's own checks against what this class declares, each reason naming the attnhost backend."""
+        reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
+        return [f"{cls.identity.where}: {reason}" for reason in reasons]
+
+
+class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]):  # type: ignore[misc]
+    """Builds the attnhost backend once, then one attnhost batch per vLLM batch from ``CommonAttentionMetadata``."""
+
+    identity: ClassVar[_Identity]
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        identity = self.identity
+        _check_spec(identity, kv_cache_spec)
+        self.block_size: int = kv_cache_spec.block_size
+        self.dtype: torch.dtype = kv_cache_spec.dtype
+        self.device = torch.device(device)
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
+        self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
+        default_host().freeze()  # a runner exists: from now on the registry must not move
+        empty = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
+        runner = _RunnerView(
+            self.device,
+            self.dtype,
+            bool(kv_cache_spec.is_draft),
+            VLLMKVCache(self.device, self.dtype, empty, self.views),
+        )
+        try:
+            backend = identity.factory(runner)
+        except (Exception, SystemExit) as exc:
+            raise BackendUnavailableError(
+                f"{identity.where}: its factory raised {type(exc).__name__}: {exc}; fix or reinstall the plugin, "
+                "or choose another --attention-backend"
+            ) from exc
+        if not isinstance(backend, AttentionBackend):
+            raise BackendUnavailableError(
+                f"{identity.where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
+                "report this to the plugin's maintainers"
+            )
+        backend.prefill_attention_backend_str = backend.decode_attention_backend_str = identity.attnhost_name
+        self.attnhost_backend = backend
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> AttnhostVLLMMetadata:
+        m = common_attn_metadata
+        self._check_batch(m)
+        num_reqs = m.num_reqs
+        starts = m.query_start_loc_cpu[: num_reqs + 1].tolist()
+        query_lens = [end - start for start, end in itertools.pairwise(starts)]
+        # Rows past the last real request may be padding (no query tokens): drop them.
+        while query_lens and query_lens[-1] == 0:
+            query_lens.pop()
+        num_reqs = len(query_lens)
+        if num_reqs == 0:
+            return AttnhostVLLMMetadata(None, None, self.attnhost_backend, 0)
+        if 0 in query_lens:
+            raise self.identity.refuse("batches with an empty request between others (padded requests)")
+        seq_lens = m.seq_lens[:num_reqs]
+        seq_cpu = tuple(seq_lens.tolist())
+        prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
+        if min(prefix_cpu) < 0:
+            raise RuntimeError(f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len")
+        num_tokens = starts[num_reqs]
+        extend_lens = m.query_start_loc[1 : num_reqs + 1] - m.query_start_loc[:num_reqs]
+        if max(query_lens) == 1:
+            mode = ForwardMode.DECODE
+        else:
+            mode = ForwardMode.MIXED if min(query_lens) == 1 else ForwardMode.EXTEND
+        kv = VLLMKVCache(
+            self.device, self.dtype, self._req_to_token(m.block_table_tensor, num_reqs, seq_cpu), self.views
+        )
+        batch = ForwardBatch(
+            forward_mode=mode,
+            kv_pool=kv,
+            req_pool_indices=self._request_rows(num_reqs),
+            seq_lens=seq_lens,
+            prefix_lens=seq_lens - extend_lens,
+            extend_seq_lens=extend_lens,
+            out_cache_loc=m.slot_mapping[:num_tokens],
+            seq_lens_cpu=seq_cpu,
+            prefix_lens_cpu=prefix_cpu,
+            extend_seq_lens_cpu=tuple(query_lens),
+        )
+        self.attnhost_backend.init_forward_metadata(batch)
+        return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens)
+
+    def _req_to_token(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
+        """``block_table`` at token level: entry ``[r, p]`` is the slot of token ``p`` of request ``r``."""
+        bs = self.block_size
+        blocks = -(-max(seq_lens) // bs)
+        table = block_table[:num_reqs, :blocks].to(torch.int64)
+        if bs == 1:
+            return table
+        return (table.unsqueeze(-1) * bs + self._offsets).view(num_reqs, blocks * bs)
+
+    def _request_rows(self, num_reqs: int) -> torch.Tensor:
+        if self._rows.numel() < num_reqs:
+            self._rows = torch.arange(max(num_reqs, 2 * self._rows.numel()), dtype=torch.int64, device=self.device)
+        return self._rows[:num_reqs]
+
+    def _check_batch(self, m: CommonAttentionMetadata) -> None:
+        refuse = self.identity.refuse
+        if m.causal is not True:
+            raise refuse("non-causal (bidirectional) attention")
+        if m.encoder_seq_lens is not None:
+            raise refuse("encoder-decoder cross-attention")
+        if m.mm_req_doc_ranges:
+            raise refuse("bidirectional multimodal prefix ranges (prefix-LM)")
+        if m.dcp_local_seq_lens is not None:
+            raise refuse("decode context parallelism", "run vLLM with --decode-context-parallel-size 1")
+        if m.rswa_prefix_lens is not None:
+            raise refuse("reference sliding-window attention (R-SWA)")
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> AttnhostVLLMMetadata:
+        raise self.identity.refuse(
+            "CUDA-graph capture of attention (its metadata is built on the host per batch)",
+            "run vLLM with -cc.cudagraph_mode=PIECEWISE or --enforce-eager",
+        )
+
+
+class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[misc]
+    """One vLLM attention layer: checked once at construction, then a thin per-forward call into the backend."""
+
+    identity: ClassVar[_Identity]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra_impl_args: Any,
+    ) -> None:
+        refuse = self.identity.refuse
+        if alibi_slopes is not None:
+            raise refuse("ALiBi position biases")
+        if sliding_window is not None:
+            raise refuse(f"sliding-window attention (window {sliding_window})")
+        if logits_soft_cap:
+            raise refuse(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
+        if attn_type != AttentionType.DECODER:
+            raise refuse(f"{AttentionType(attn_type).value} attention (it computes causal decoder self-attention)")
+        if kv_sharing_target_layer_name is not None:
+            raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
+        if is_quantized_kv_cache(kv_cache_dtype):
+            raise refuse(f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
+        if extra_impl_args.get("sinks") is not None:
+            raise refuse("attention sinks")
+        extra = sorted(name for name, value in extra_impl_args.items() if value not in (None, False))
+        if extra:
+            raise refuse(f"the extra attention arguments {', '.join(extra)}")
+        head_dims = self.identity.capabilities.head_dims
+        if head_dims and head_size not in head_dims:
+            raise refuse(f"head size {head_size} (it supports {', '.join(map(str, head_dims))})")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layer = AttentionLayer(
+            layer_id=next(_layer_ids),
+            num_heads=num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=head_size,
+            scaling=self.scale,
+        )
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttnhostVLLMMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise self.identity.refuse("fused output quantization")
+        if attn_metadata is None:
+            return output.zero_()  # vLLM's memory-profiling run: no metadata, nothing to attend
+        batch, kv = attn_metadata.batch, attn_metadata.kv
+        if batch is None or kv is None:
+            return output
+        if key is None or value is None:
+            raise self.identity.refuse("K/V written by a fused op before attention (the KV-cache update bypass)")
+        attn_layer = self.layer
+        views = kv.views.get(attn_layer.layer_id)
+        if views is None or views[2] is not kv_cache:
+            kv.views[attn_layer.layer_id] = self._views(kv_cache)
+        n = attn_metadata.num_actual_tokens
+        out = attn_metadata.backend.forward(query[:n], key[:n], value[:n], attn_layer, batch, True)
+        output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
+        return output
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zero-copy ``[num_slots, kv_heads, head_size]`` K and V views of one layer's vLLM cache, checked."""
+        heads, dim = self.num_kv_heads, self.head_size
+        if kv_cache.dim() != 4 or kv_cache.shape[1] != heads or kv_cache.shape[3] != 2 * dim:
+            raise self.identity.refuse(
+                f"a KV cache of shape {tuple(kv_cache.shape)} (it reads vLLM's "
+                f"[blocks, {heads} kv_heads, block_size, {2 * dim}] cache with K and V on the last axis)"
+            )
+        if is_quantized_kv_cache(self.kv_cache_dtype) or not kv_cache.dtype.is_floating_point:
+            raise self.identity.refuse(f"a KV cache of dtype {dtype_name(kv_cache.dtype)}")
+        reason = self.identity.capabilities.refusal(dtype=dtype_name(kv_cache.dtype), head_dim=dim)
+        if reason is not None:
+            raise self.identity.refuse(reason, "choose another --dtype or --attention-backend")
+        try:
+            flat = kv_cache.transpose(1, 2).view(-1, heads, 2 * dim)
+        except RuntimeError:
+            raise self.identity.refuse(
+                f"this KV-cache layout (strides {tuple(kv_cache.stride())}): it reads the {KV_LAYOUT.name} "
+                "layout, where the cache has a zero-copy token-major view",
+                f"set VLLM_KV_CACHE_LAYOUT={KV_LAYOUT.name} or pair it with backends that accept {KV_LAYOUT.name}",
+            ) from None
+        return flat[..., :dim], flat[..., dim:], kv_cache
+
+
+def _check_spec(identity: _Identity, spec: Any) -> None:
+    """Refuse, at builder construction, a KV-cache group the attnhost contract cannot serve."""
+    refuse = identity.refuse
+    for kind, feature in (
+        (MLAAttentionSpec, "MLA (multi-head latent attention)"),
+        (SlidingWindowSpec, "sliding-window attention"),
+        (ChunkedLocalAttentionSpec, "chunked local attention"),
+        (CrossAttentionSpec, "encoder-decoder cross-attention"),
+        (EncoderOnlyAttentionSpec, "encoder-only (bidirectional) attention"),
+    ):
+        if isinstance(spec, kind):
+            raise refuse(feature)
+    if not isinstance(spec, AttentionSpec):
+        raise refuse(f"vLLM's {type(spec).__name__} KV-cache groups (it reads attention KV caches)")
+    if isinstance(spec, FullAttentionSpec) and (spec.sliding_window is not None or spec.attention_chunk_size):
+        raise refuse("sliding-window or chunked local attention")
+    if isinstance(spec, FullAttentionSpec) and spec.non_causal:
+        raise refuse("non-causal (bidirectional) attention")
+    if spec.head_size_v != spec.head_size:
+        raise refuse(f"a V head size ({spec.head_size_v}) unlike the QK head size ({spec.head_size})")
+    if spec.kv_quant_mode != KVQuantMode.NONE:
+        raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})", "use --kv-cache-dtype auto")
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        raise refuse("a packed KV-cache page (custom head slots or state sizes)")
+    reason = identity.capabilities.refusal(dtype=dtype_name(spec.dtype), head_dim=spec.head_size)
+    if reason is not None:
+        raise refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+
+
+def make_backend_class(engine_name: str, backend: ExportedBackend) -> type[AttnhostVLLMBackend]:
+    """The vLLM backend class for one vLLM name: its own backend, builder and impl subclasses.
+
+    The classes live, for vLLM's ``resolve_obj_by_qualname`` and for pickle,
+    at ``attnhost.engines.vllm.backends.<engine_name>``.
+    """
+    entry = backend.entry
+    origin = f"plugin {entry.plugin!r}" + (f", distribution {entry.distribution}" if entry.distribution else "")
+    try:
+        factory = entry.spec.load()
+    except Exception as exc:
+        raise BackendUnavailableError(
+            f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
+            f"reinstall {entry.distribution or 'the plugin'} or choose another --attention-backend"
+        ) from exc
+    capabilities = capabilities_of(factory)
+    identity = _Identity(engine_name, backend.name, origin, factory, capabilities)
+
+    def named(base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
+        cls = type(f"{engine_name}{suffix}", (base,), {"identity": identity, **namespace})
+        cls.__module__ = BACKENDS_MODULE
+        cls.__qualname__ = f"{engine_name}.{suffix}" if suffix else engine_name
+        cls.__doc__ = f"attnhost backend {backend.name!r} ({origin}) as vLLM's {engine_name}{suffix}."
+        return cls
+
+    impl = named(AttnhostVLLMImpl, "Impl", {})
+    builder = named(AttnhostVLLMMetadataBuilder, "Builder", {})
+    dtypes = [
+        getattr(torch, name) for name in capabilities.dtypes if isinstance(getattr(torch, name, None), torch.dtype)
+    ]
+    kv_dtypes = ["auto", *(name for name in capabilities.dtypes if name in _VLLM_KV_DTYPES)]
+    cls: type[AttnhostVLLMBackend] = named(
+        AttnhostVLLMBackend,
+        "",
+        {
+            "supported_dtypes": dtypes,
+            "supported_kv_cache_dtypes": kv_dtypes,
+            "get_name": staticmethod(lambda: engine_name),
+            "get_impl_cls": staticmethod(lambda: impl),
+            "get_builder_cls": staticmethod(lambda: builder),
+            "Impl": impl,
+            "Builder": builder,
+        },
+    )
+    return cls

@@ -1,0 +1,133 @@
+"""Registers attnhost's backends in vLLM's ``AttentionBackendEnum``, one member and one class per name.
+
+vLLM's own mechanism, no patch to its source: ``register_backend(NAME,
+class_path)`` adds an enum member, and ``--attention-backend name`` (or
+``"attention_backend": "name"`` in ``--speculative-config``) resolves to it as
+``AttentionBackendEnum[name.upper()]``. Which backends and under which names
+follows the rule every engine bridge shares
+(:func:`attnhost.engines.export.plan_exports`): implemented and available
+ones only; a name vLLM already has keeps vLLM's backend and the attnhost one
+becomes ``ATTNHOST_<NAME>``, with one warning, unless the operator opts in
+with ``ATTNHOST_VLLM_OVERRIDE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
+from attnhost.engines.vllm import OVERRIDE_ENV
+from attnhost.engines.vllm.names import ClassPath, class_path, vllm_name
+from attnhost.errors import BackendUnavailableError
+
+__all__ = ["backend_class", "current_plan", "exported", "install", "registered_value"]
+
+logger = logging.getLogger("attnhost.engines.vllm")
+
+_lock = threading.RLock()
+_plan: ExportPlan | None = None
+_ours: dict[str, ExportedBackend] = {}
+"""vLLM names this process registered (or, with the override, took over), with what they serve."""
+_classes: dict[str, type[Any]] = {}
+_logged: set[str] = set()
+
+
+def current_plan() -> ExportPlan | None:
+    """What the last :func:`install` registered in this process (``None`` before it ran)."""
+    return _plan
+
+
+def exported() -> dict[str, ExportedBackend]:
+    """vLLM name → attnhost backend, for every name this process registered."""
+    return dict(_ours)
+
+
+def install() -> ExportPlan:
+    """Register (or re-sync) attnhost's exports with vLLM; idempotent, safe in every process."""
+    global _plan
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    with _lock:
+        members = AttentionBackendEnum.__members__
+        plan = plan_exports(
+            "vLLM",
+            lambda name: name in members and name not in _ours,
+            override_env=OVERRIDE_ENV,
+            to_engine_name=vllm_name,
+            taken=tuple(_ours),
+        )
+        for warning in plan.warnings:
+            _log_once(logging.WARNING, warning)
+        added = []
+        for backend in plan.backends:
+            for name in backend.engine_names:
+                if name in _ours:
+                    continue
+                path = class_path(name)
+                if name in members:  # the operator's opt-in override of vLLM's own backend
+                    register_backend(members[name], path)
+                else:
+                    register_backend(name, path)
+                _ours[name] = backend
+                added.append(name)
+        _plan = plan
+        if added:
+            names = ", ".join(
+                f"{name}{' (draft)' if _ours[name].draft else ''}"
+                + (f" as attnhost {_ours[name].name!r}" if name != vllm_name(_ours[name].name) else "")
+                for name in added
+            )
+            _log_once(logging.INFO, f"attnhost registered {len(added)} vLLM attention backend(s): {names}")
+        elif not _ours:
+            _log_once(logging.INFO, "attnhost registered no vLLM attention backend (none implemented and available)")
+        return plan
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, "%s", message)
+
+
+def registered_value(engine_name: str) -> str:
+    """The enum value attnhost registered for ``engine_name`` in this process (registering first).
+
+    Called while a spawned process unpickles a config that names an attnhost
+    backend (see :mod:`attnhost.engines.vllm.names`).
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    install()
+    member = AttentionBackendEnum.__members__.get(engine_name)
+    value = getattr(member, "value", None)
+    if engine_name not in _ours or not isinstance(value, ClassPath):
+        raise BackendUnavailableError(
+            f"a vLLM config from another process names attention backend {engine_name!r}, which attnhost does "
+            "not register in this one; install the same attnhost plugins and use the same ATTNHOST_* settings "
+            "in every vLLM process (see `attnhost list`)"
+        )
+    return value
+
+
+def backend_class(engine_name: str) -> type[Any]:
+    """The vLLM backend class of one registered name, built once per process."""
+    cls = _classes.get(engine_name)
+    if cls is not None:
+        return cls
+    with _lock:
+        if engine_name not in _ours:
+            install()
+        backend = _ours.get(engine_name)
+        if backend is None:
+            raise AttributeError(
+                f"no attnhost backend is registered with vLLM as {engine_name!r} in this process; "
+                "`attnhost list` shows the installed ones (vLLM spells them upper-case)"
+            )
+        cls = _classes.get(engine_name)
+        if cls is None:
+            from attnhost.engines.vllm.adapter import make_backend_class
+
+            cls = _classes[engine_name] = make_backend_class(engine_name, backend)
+        return cls
