@@ -52,7 +52,7 @@ class BackendUnavailableError(AttnhostError, RuntimeError):
 
 
 class UnsupportedFeatureError(BackendUnavailableError, NotImplementedError):
-    """An engine asked an attnhost backend for what the attnhost contract cannot express (MLA, a sliding window, ...)."""
+    """An engine asked an attnhost backend for what the attnhost contract cannot express (MLA, sliding windows)."""
 
 
 class PlatformError(AttnhostError, ValueError):
