@@ -19,7 +19,13 @@ as a long-running server's are) and ``contiguous`` (a fresh pool). One
 figure is the time of one layer's attention call, init excluded; the
 per-batch ``init_forward_metadata`` is timed separately as ``init``.
 Ratios: ``sglang / bridge`` (speed-up, target >= 2 on decode, >= 1 on
-extend) and ``bridge / direct`` (adapter overhead, target <= 1.03).
+extend) and the adapter's overhead (target <= 3 %).
+
+The overhead is the adapter's own work per layer — measured by running the
+same adapter around a backend that returns at once, minus calling that
+backend directly — over the time of the direct ``torch_native`` call. On a
+shared machine, ``bridge / direct`` of two multi-millisecond calls moves by
+more than the few microseconds being measured; the no-op pair does not.
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ import torch  # noqa: E402
 from _common import interleaved, per_call  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+def _noop_backend() -> object:
+    """An attnhost backend that does no attention: what remains of a bridged call is the adapter."""
+    from attnhost import AttentionBackend
+
+    class NoOp(AttentionBackend):
+        def init_forward_metadata(self, forward_batch: object) -> None:
+            pass
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+            return q
+
+    return NoOp()
 
 
 class _Case(unittest.TestCase):
@@ -84,7 +104,10 @@ def main() -> int:
     layouts = ("shuffled_pages", "contiguous") if options.layout == "both" else (options.layout,)
     rounds = 5 if options.quick else 9
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
-    print(f"{'case':<34} {'layout':<15} {'sglang':>10} {'bridge':>10} {'direct':>10} {'speed-up':>9} {'overhead':>9}")
+    print(
+        f"{'case':<34} {'layout':<15} {'sglang':>10} {'bridge':>10} {'direct':>10} {'speed-up':>9} {'overhead':>9}"
+        f" {'adapter':>9}"
+    )
     worst_overhead, worst = 0.0, {"decode": float("inf"), "extend": float("inf")}
     for layout in layouts:
         for label, mode, prefix, extend in _cases(options.quick):
@@ -141,13 +164,26 @@ def main() -> int:
                     },
                     rounds,
                 )
+                real_inner = bridge.attnhost_backend
+                noop = _noop_backend()
+                bridge.attnhost_backend = noop
+                noop_method = noop.forward_decode if mode == "decode" else noop.forward_extend
+                costs = interleaved(
+                    {
+                        "bridged": per_call(bridge.forward, 2000, q, k, v, layer, batch),
+                        "alone": per_call(noop_method, 2000, q3, k, v, attnhost_layer, attnhost_batch),
+                    },
+                    rounds,
+                )
+                bridge.attnhost_backend = real_inner
             s, b, d = (stats[name].median for name in ("sglang", "bridge", "direct"))
-            speed_up, overhead = s / b, b / d
+            adapter = max(0.0, costs["bridged"].median - costs["alone"].median)
+            speed_up, overhead = s / b, 1 + adapter / d
             worst[mode] = min(worst[mode], speed_up)
             worst_overhead = max(worst_overhead, overhead)
             print(
                 f"{label:<34} {layout:<15} {s * 1e6:>8.0f}us {b * 1e6:>8.0f}us {d * 1e6:>8.0f}us "
-                f"{speed_up:>8.2f}x {overhead:>8.3f}"
+                f"{speed_up:>8.2f}x {overhead:>8.3f} {adapter * 1e6:>7.1f}us"
             )
     print(
         f"worst speed-up: decode {worst['decode']:.2f}x (target >= 2), extend {worst['extend']:.2f}x (target >= 1); "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")  # the py312/py313 envs have no torch
 
 from attnhost import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, KVPool
 from attnhost.testing.reference import reference_attention
