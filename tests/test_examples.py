@@ -82,7 +82,7 @@ def test_list_shows_both_with_distribution_and_version(site: Path) -> None:
     )
     plugins = {p["name"]: p["status"] for p in data["plugins"]}
     assert plugins["batched"] == plugins["tiny"] == "loaded"
-    result = run_cli("list", "--draft", path_entries=[site])
+    result = run_cli("list", "--draft", "--wide", path_entries=[site])
     assert result.returncode == 0, result.stderr
     for name, (_, dist, version, _plugin) in BACKENDS.items():
         line = next(line for line in result.stdout.splitlines() if line.startswith(name + " "))

@@ -21,6 +21,13 @@ class Availability(NamedTuple):
 
     available: bool
     reason: str | None = None
+    summary: str | None = None
+    """The reason without the per-backend detail, so a table can group the rows that share it."""
+
+    @property
+    def short(self) -> str | None:
+        """``summary`` if there is one, else ``reason``."""
+        return self.summary or self.reason
 
 
 def _install_hint(entry: BackendEntry) -> str:
@@ -35,8 +42,11 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
     """Available means: implemented, meant for ``platform``, and its modules importable."""
     spec = entry.spec
     if not spec.implemented:
-        kernels = f" (kernels: {spec.provided_by})" if spec.provided_by else ""
-        return Availability(False, f"declared only, no installed plugin implements it{kernels}")
+        # What is missing is a plugin implementing the name; the kernels' distribution is named as what such
+        # a plugin builds on, never as something to install (torch is installed, yet flex_attention is not).
+        summary = "declared only: no installed plugin implements it"
+        builds_on = f" (a plugin would build it on {spec.provided_by})" if spec.provided_by else ""
+        return Availability(False, summary + builds_on, summary)
     if spec.platforms and platform not in spec.platforms:
         return Availability(False, f"runs on {', '.join(spec.platforms)}, not {platform}")
     missing = [module for module in spec.requires if not module_installed(module)]

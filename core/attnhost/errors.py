@@ -24,6 +24,7 @@ __all__ = [
     "describe_exception",
     "one_line",
     "plugin_label",
+    "printable",
     "safe_repr",
 ]
 
@@ -110,3 +111,15 @@ def describe_exception(exc: BaseException) -> str:
         lines = ["<exception with a broken __str__>"]
     kind = type(exc).__name__
     return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or other non-printable character written as its escape (``\\x1b``).
+
+    Names, versions, descriptions and error texts come from plugins, and the
+    CLI prints them to a terminal: an escape sequence in a distribution's
+    metadata must show as text, not clear the screen.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

@@ -66,8 +66,15 @@ class ServerArgs:
         """Add SGLang's attention flags; choices come from every installed plugin."""
         registry = get_registry()
         names = registry.names()
+        offered = {"target": _offer(registry, names), "draft": _offer(registry, registry.names("draft"))}
         group = parser.add_argument_group("attention backends")
         for name, help_text in _BACKEND_FIELDS:
+            if name == "speculative_draft_attention_backend":
+                # Any known name is accepted (one that is not draft-capable falls back, with a warning, as
+                # in SGLang); the help offers the ones a draft worker will actually use.
+                choices = f"; draft-capable: {offered['draft'] or 'none'}"
+            else:
+                choices = f"; choices: {offered['target']}"
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
@@ -75,7 +82,7 @@ class ServerArgs:
                 choices=names,
                 default=None,
                 metavar="NAME",
-                help=help_text + "; choices: %(choices)s",
+                help=(help_text + choices).replace("%", "%%"),
             )
         group.add_argument(
             "--speculative-attention-mode",
@@ -90,6 +97,14 @@ class ServerArgs:
         """Build from a namespace parsed with a parser that ``add_cli_args`` set up."""
         values = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
         return cls(**values)
+
+
+def _offer(registry: Registry, names: tuple[str, ...]) -> str:
+    """``flashinfer, dsa (alias nsa), ...``: the names a flag accepts, each with its aliases."""
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in registry.aliases().items():
+        aliases.setdefault(canonical, []).append(alias)
+    return ", ".join(f"{name} (alias {', '.join(aliases[name])})" if name in aliases else name for name in names)
 
 
 def _canonical(registry: Registry, value: object, field_name: str) -> str:
