@@ -151,7 +151,8 @@ def _backend_row(entry: BackendEntry, availability: Availability) -> dict[str, A
 
 
 def _display_name(row: dict[str, Any]) -> str:
-    return row["name"] + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
+    name: str = row["name"]
+    return name + (f" ({', '.join(row['aliases'])})" if row["aliases"] else "")
 
 
 def _distribution(row: dict[str, Any]) -> str:
@@ -495,11 +496,11 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         _tolerant(sys.stdout)
         _tolerant(sys.stderr)
     argv = list(sys.argv[1:] if argv is None else argv)
-    err = err or sys.stderr or _Discard()
-    out = out or sys.stdout
-    if out is None:  # started with stdout closed (`attnhost list >&-`)
+    err = err or sys.stderr or cast("TextIO", _Discard())
+    if out is None and sys.stdout is None:  # started with stdout closed (`attnhost list >&-`)
         err.write("attnhost: write error: standard output is closed\n")
         return EXIT_FAILURE
+    out = out or sys.stdout
     logger = logging.getLogger("attnhost")
     saved = (logger.level, logger.propagate)
     handler = logging.StreamHandler(err)
