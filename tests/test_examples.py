@@ -131,13 +131,13 @@ def test_examples_own_test_suites_pass(site: Path, sources: Path) -> None:
     proc = _pytest([f"{d}/tests" for d, *_ in BACKENDS.values()], cwd=sources, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
-    assert summary.startswith("38 passed"), summary  # 19 kit tests each, none skipped
+    assert summary.startswith("40 passed"), summary  # 20 kit tests each, none skipped
 
 
 def test_pytest_option_runs_the_kit_against_both_without_a_test_file(site: Path, tmp_path: Path) -> None:
     proc = _pytest(["--attnhost-backend", "batched_matmul", "--attnhost-backend", "tiny"], cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("38 passed"), proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("40 passed"), proc.stdout
 
 
 def test_speculative_demo_drafts_on_the_installed_plugin(site: Path) -> None:
