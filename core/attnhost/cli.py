@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import io
 import logging
 import os
@@ -489,10 +488,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     lines while it runs; the logger is left as it was found afterwards.
     """
     is_program = argv is None
-    if is_program:
-        # A command lives for a moment and frees nothing worth collecting: skip the cyclic collector's
-        # passes while plugins load (in-process callers keep theirs).
-        gc.disable()
+    if is_program:  # the process's own streams: in-process callers' streams are theirs
         _tolerant(sys.stdout)
         _tolerant(sys.stderr)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -515,10 +511,6 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
-        if is_program:
-            # and let the interpreter's collection at exit skip everything we loaded: output is flushed
-            # and the cache file was written long before
-            gc.freeze()
 
 
 class _Discard:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from attnhost.entry_points import EntryPointRecord, normalize_name
-from attnhost.errors import RegistryFrozenError, describe_exception, one_line, plugin_label, safe_repr
+from attnhost.errors import PluginProblem, RegistryFrozenError, describe_exception, one_line, plugin_label, safe_repr
 from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
@@ -30,7 +30,6 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "GuardedPluginManager",
     "PluginInfo",
-    "PluginProblem",
     "PluginStatus",
     "ShorthandPlugin",
     "load_entry_points",
@@ -86,10 +85,6 @@ class PluginInfo:
         out: dict[str, Any] = {name: getattr(self, name) for name in fields}
         out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
         return out
-
-
-class PluginProblem(Exception):
-    """Why a plugin object cannot be registered; the message completes "plugin X ...: "."""
 
 
 class ShorthandPlugin:

@@ -17,6 +17,7 @@ __all__ = [
     "NoForwardContextError",
     "PlatformError",
     "PluginLoadError",
+    "PluginProblem",
     "RankCheckError",
     "RankMismatchError",
     "RegistryFrozenError",
@@ -60,6 +61,14 @@ class PluginLoadError(AttnhostError, RuntimeError):
 
 class InvalidPluginError(AttnhostError, ValueError):
     """An in-process plugin object that cannot be registered."""
+
+
+class PluginProblem(Exception):
+    """Internal: why a plugin object cannot be registered; the message completes "plugin X ...: ".
+
+    Not an ``AttnhostError``: it never leaves attnhost, the loader turns it into a failed
+    plugin record (or :class:`InvalidPluginError` for an in-process registration).
+    """
 
 
 class NoForwardContextError(AttnhostError, RuntimeError):

@@ -22,13 +22,12 @@ from attnhost.discovery import (
     ENTRY_POINT_GROUP,
     GuardedPluginManager,
     PluginInfo,
-    PluginProblem,
     PluginStatus,
     as_plugin,
     load_entry_points,
     register_checked,
 )
-from attnhost.errors import AttnhostError, InvalidPluginError, PluginLoadError, RegistryFrozenError
+from attnhost.errors import AttnhostError, InvalidPluginError, PluginLoadError, PluginProblem, RegistryFrozenError
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
 from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
