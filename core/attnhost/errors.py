@@ -17,6 +17,7 @@ __all__ = [
     "NoForwardContextError",
     "PlatformError",
     "PluginLoadError",
+    "PluginLoadInterrupted",
     "RankCheckError",
     "RankMismatchError",
     "RegistryFrozenError",
@@ -56,6 +57,15 @@ class PlatformError(AttnhostError, ValueError):
 
 class PluginLoadError(AttnhostError, RuntimeError):
     """One or more plugins failed to load while ``ATTNHOST_STRICT=1`` is set."""
+
+
+class PluginLoadInterrupted(KeyboardInterrupt):
+    """Ctrl-C arrived while a plugin was being imported; the message names the plugin and its distribution.
+
+    Still a ``KeyboardInterrupt``, so whatever stops on Ctrl-C still stops;
+    the CLI prints its one line and exits with status 130 instead of a
+    traceback through the plugin's import.
+    """
 
 
 class InvalidPluginError(AttnhostError, ValueError):
