@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from attnhost.entry_points import EntryPointRecord, normalize_name
-from attnhost.errors import PluginLoadInterrupted, describe_exception, one_line, plugin_label, printable, safe_repr
+from attnhost.errors import (
+    PluginLoadInterrupted,
+    describe_exception,
+    one_line,
+    plugin_label,
+    printable,
+    printable_record,
+    safe_repr,
+)
 from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl, plugin_output
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_DISTRIBUTION = "attnhost"

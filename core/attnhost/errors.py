@@ -9,6 +9,8 @@ exception without importing the plugin loader.
 
 from __future__ import annotations
 
+import logging
+
 __all__ = [
     "AttnhostError",
     "BackendUnavailableError",
@@ -26,6 +28,7 @@ __all__ = [
     "one_line",
     "plugin_label",
     "printable",
+    "printable_record",
     "safe_repr",
 ]
 
@@ -104,6 +107,23 @@ def printable(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def printable_record(record: logging.LogRecord) -> bool:
+    """A logging filter that makes a record's message :func:`printable` (it never drops one).
+
+    The modules that log plugin text attach it to their loggers, so a
+    distribution name or an exception message from a plugin reaches no log
+    handler, attnhost's or an application's, with a control sequence in it.
+    """
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed record: leave it to the handler's own error reporting
+        return True
+    shown = printable(message)
+    if shown != message:
+        record.msg, record.args = shown, None
+    return True
 
 
 def plugin_label(name: str, distribution: str | None, version: str | None) -> str:

@@ -28,7 +28,14 @@ from attnhost.discovery import (
     load_entry_points,
     register_checked,
 )
-from attnhost.errors import AttnhostError, InvalidPluginError, PluginLoadError, RegistryFrozenError
+from attnhost.errors import (
+    AttnhostError,
+    InvalidPluginError,
+    PluginLoadError,
+    RegistryFrozenError,
+    printable,
+    printable_record,
+)
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
 from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
@@ -37,6 +44,7 @@ from attnhost.spec import BackendSpec, check_backend_name
 __all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
 """The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
@@ -307,6 +315,7 @@ def _strict_error(plugins: Iterable[PluginInfo], missing_allowed: Iterable[str] 
     parts = [f"{info.origin}: {info.error}" for info in failed]
     parts += [f"{info.origin}: {warning}" for info in conflicted for warning in info.warnings]
     parts += missing
+    parts = [printable(part) for part in parts]  # plugin text (errors, distribution names) in an error message
     return PluginLoadError(
         f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
         + "; ".join(parts)

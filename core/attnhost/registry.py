@@ -23,6 +23,7 @@ from attnhost.errors import (
     describe_exception,
     one_line,
     plugin_label,
+    printable_record,
     safe_repr,
 )
 from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
@@ -32,6 +33,7 @@ __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry",
 
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 Role = Literal["target", "draft"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attnhost.availability import check_availability
-from attnhost.errors import AttnhostError, describe_exception, printable
+from attnhost.errors import AttnhostError, describe_exception, printable, printable_record
 from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
 from attnhost.host import default_host
 from attnhost.platform import current_platform
@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -18,7 +18,7 @@ import torch
 from attnhost.availability import check_availability
 from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
 from attnhost.context import ForwardContext, dispatch_table
-from attnhost.errors import BackendUnavailableError, describe_exception
+from attnhost.errors import BackendUnavailableError, describe_exception, printable_record
 from attnhost.forward_batch import ForwardBatch, KVPool
 from attnhost.forward_mode import ForwardMode
 from attnhost.hooks import plugin_output
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["ModelRunner"]
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
 
