@@ -12,6 +12,7 @@ from helpers import make_plugin, run_cli
 
 import attnhost
 from attnhost import BackendSpec, ServerArgs, resolve_attention_backends, resolve_draft_attention_backend
+from attnhost.host import _reset_for_tests
 
 PLATFORMS = ("cuda", "rocm", "cpu", "xpu", "npu", "mps")
 
@@ -85,6 +86,8 @@ def test_platform_comes_from_env_when_not_given(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ATTNHOST_PLATFORM", "ROCm")
     assert resolve_draft_attention_backend(ServerArgs()).name == "triton"
     monkeypatch.setenv("ATTNHOST_PLATFORM", "gpu9000")
+    assert resolve_draft_attention_backend(ServerArgs()).name == "triton", "the environment is read once per process"
+    _reset_for_tests()  # a fresh process, as far as attnhost can tell
     with pytest.raises(attnhost.PlatformError, match="unknown platform 'gpu9000'"):
         resolve_draft_attention_backend(ServerArgs())
 
@@ -144,9 +147,10 @@ def test_plugin_backends_and_fallback_hook() -> None:
     assert rejected.name == "flashinfer" and rejected.fell_back
     on_cpu = resolve_draft_attention_backend(ServerArgs(attention_backend="vendor_target_only"), "cpu")
     assert on_cpu.name == "vendor_draft" and on_cpu.fell_back
-    assert "plugin 'vendor'" in on_cpu.trace[-1]
+    assert "plugin 'vendor'" in on_cpu.trace[-2]
     on_rocm = resolve_draft_attention_backend(ServerArgs(), "rocm")
-    assert on_rocm.name == "triton" and "plugin 'builtin'" in on_rocm.trace[-1]
+    assert on_rocm.name == "triton" and "plugin 'builtin'" in on_rocm.trace[-2]
+    assert not on_rocm.available and "cannot run on rocm" in on_rocm.trace[-1]  # triton is declared only here
 
 
 def test_draft_capability_has_one_source_of_truth() -> None:
@@ -200,7 +204,9 @@ def test_cli_resolve_json() -> None:
     assert {"platform", "prefill", "decode", "draft", "draft_fell_back", "trace", "warnings"} <= set(data)
     assert data["platform"] == "rocm" and data["draft"] == "triton" and data["draft_fell_back"] is True
     assert data["prefill"] == data["decode"] == "torch_native"
-    assert len(data["warnings"]) == 1 and len(data["trace"]) >= 4
+    # two warnings: SGLang's fallback one, and that the fallback (triton, declared only) cannot run here
+    assert len(data["warnings"]) == 2 and len(data["trace"]) >= 4
+    assert data["draft_available"] is False and data["draft_problem"] == data["warnings"][1]
 
 
 @pytest.mark.parametrize(

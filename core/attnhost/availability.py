@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from attnhost.errors import printable
 from attnhost.platform import module_installed
 
 if TYPE_CHECKING:
@@ -32,9 +33,9 @@ class Availability(NamedTuple):
 
 def _install_hint(entry: BackendEntry) -> str:
     if entry.spec.provided_by:
-        return f"pip install {entry.spec.provided_by}"
+        return f"pip install {printable(entry.spec.provided_by)}"
     if entry.distribution:
-        return f"reinstall {entry.distribution}"
+        return f"reinstall {printable(entry.distribution)}"
     return "install the package that provides it"
 
 
@@ -45,10 +46,10 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
         # What is missing is a plugin implementing the name; the kernels' distribution is named as what such
         # a plugin builds on, never as something to install (torch is installed, yet flex_attention is not).
         summary = "declared only: no installed plugin implements it"
-        builds_on = f" (a plugin would build it on {spec.provided_by})" if spec.provided_by else ""
+        builds_on = f" (a plugin would build it on {printable(spec.provided_by)})" if spec.provided_by else ""
         return Availability(False, summary + builds_on, summary)
     if spec.platforms and platform not in spec.platforms:
-        return Availability(False, f"runs on {', '.join(spec.platforms)}, not {platform}")
+        return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
     missing = [module for module in spec.requires if not module_installed(module)]
     if missing:
         return Availability(False, f"module {missing[0]!r} is not installed ({_install_hint(entry)})")

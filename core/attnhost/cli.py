@@ -595,6 +595,8 @@ def _run(argv: list[str], out: TextIO, err: TextIO, is_program: bool) -> int:
             args = parser.parse_args([*argv, "list"])
         handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
         return handler(args, cast("TextIO", _Output(out)))
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line, naming the plugin being loaded (PluginLoadInterrupted)
+        return fail(f"attnhost: {str(exc) or 'interrupted'}", 130)
     except _UsageError as exc:
         return fail(str(exc), EXIT_USAGE)
     except SystemExit as exc:  # --help / --version

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from attnhost.errors import UnknownBackendError
-from attnhost.host import default_host, get_registry
+from attnhost.host import default_host
 from attnhost.registry import Registry
 
 __all__ = ["SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
@@ -43,7 +43,7 @@ class ServerArgs:
     speculative_attention_mode: Literal["prefill", "decode"] = "prefill"
 
     def __post_init__(self) -> None:
-        registry = default_host().freeze()
+        registry = default_host().freeze(by="the first ServerArgs")
         for name, _ in _BACKEND_FIELDS:
             value = getattr(self, name)
             if value is not None:
@@ -63,8 +63,13 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add SGLang's attention flags; choices come from every installed plugin."""
-        registry = get_registry()
+        """Add SGLang's attention flags; choices come from every installed plugin.
+
+        The parser holds a copy of the choices, so building it freezes the
+        registry: a registration after it raises ``RegistryFrozenError``
+        instead of leaving the parser to reject the new name.
+        """
+        registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
         names = registry.names()
         offered = {"target": _offer(registry, names), "draft": _offer(registry, registry.names("draft"))}
         group = parser.add_argument_group("attention backends")

@@ -110,7 +110,7 @@ def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
     def create_attnhost_backend(model_runner: Any) -> Any:
         from attnhost.engines.sglang.adapter import SGLangAdapterBackend
 
-        default_host().freeze()  # a runner exists: from now on the registry must not move
+        default_host().freeze(by="an SGLang model runner")  # from now on the registry must not move
         factory = _load(backend, origin)
         return SGLangAdapterBackend(
             model_runner,
@@ -163,7 +163,7 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
     """SGLang's attention step, with attnhost's registrations current and graphs off where unsupported."""
     install()  # pick up in-process registrations made after the plugins loaded
     previous(server_args)
-    default_host().freeze()
+    default_host().freeze(by="SGLang's attention resolution step")
     from sglang.srt.arg_groups.overrides import declare_resolution, resolved_view, resolving_view
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
