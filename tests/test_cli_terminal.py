@@ -315,3 +315,27 @@ def test_a_reader_that_leaves_early_gets_no_noise() -> None:
     assert result.returncode == 0
     assert result.stdout.startswith("NAME") and result.stdout.count("\n") == 1
     assert result.stderr == ""
+
+
+# -- the layout itself ---------------------------------------------------------------------
+
+
+def test_fit_table_never_exceeds_the_width() -> None:
+    from attnhost.terminal import fit_table
+
+    rows = [["NAME", "NOTE"], ["a" * 50, "b " * 60], ["short", "x"]]
+    for width in (40, 60, 80, 120):
+        lines = fit_table(rows, width, flexible=(0,))
+        assert all(len(line) <= width for line in lines), (width, lines)
+        assert lines[0].startswith("NAME")
+    narrow = fit_table(rows, 60, flexible=(0,))
+    assert narrow[1].startswith("a" * 10) and "..." in narrow[1]  # the flexible column was cut, marked
+    assert " ".join(" ".join(narrow[1:-1]).split()).count("b") == 60  # the last column wrapped, nothing lost
+    assert fit_table(rows)[1] == "a" * 50 + "  " + ("b " * 60).rstrip()  # unbounded: the --wide layout
+
+
+def test_fit_table_escapes_control_characters() -> None:
+    from attnhost.terminal import fit_table
+
+    lines = fit_table([["NAME"], ["x\x1b[2Jy"]], 80)
+    assert lines == ["NAME", "x\\x1b[2Jy"]
