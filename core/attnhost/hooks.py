@@ -81,10 +81,11 @@ def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str,
     """
     caller: pluggy.HookCaller = getattr(pm.hook, hook_name)
     plugin = pm.get_plugin(plugin_name)
-    if plugin is None or not any(impl.plugin is plugin for impl in caller.get_hookimpls()):
+    impls = caller.get_hookimpls()
+    others = [impl.plugin for impl in impls if impl.plugin is not plugin]  # the others that implement it
+    if plugin is None or len(others) == len(impls):
         return NOT_IMPLEMENTED
-    others = [other for name, other in pm.list_name_plugin() if name != plugin_name and other is not None]
-    only = pm.subset_hook_caller(hook_name, remove_plugins=others)
+    only = pm.subset_hook_caller(hook_name, remove_plugins=others) if others else caller
     with plugin_output():
         answer = only(**kwargs)
     if caller.spec is not None and caller.spec.opts.get("firstresult"):
