@@ -26,7 +26,8 @@ A failure names the property that broke and by how much, e.g.
 Class attributes an author may override: ``backend_name`` (required),
 ``expect_draft`` (assert the backend is / is not draft-capable),
 ``platform`` (resolution platform, default: detected), ``device``,
-``float32_atol``/``bfloat16_atol``, ``head_dim``, ``seed`` and
+``float32_atol``/``bfloat16_atol``/``float16_atol``, ``head_dim`` (unless the
+backend's declared ``capabilities.head_dims`` exclude it), ``seed`` and
 ``check_discovery_imports``.
 """
 
@@ -105,7 +106,6 @@ def _hook(event, args):
         frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<")]
         culprit.extend(f"{f.filename}:{f.lineno}" for f in reversed(frames[-3:]))
 sys.addaudithook(_hook)
-from attnhost.discovery import PluginInfo
 from attnhost.host import default_host, get_registry
 registry = get_registry()
 name = registry.canonical(sys.argv[1])
