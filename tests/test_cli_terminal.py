@@ -217,8 +217,18 @@ def test_no_command_runs_list() -> None:
     listed = run_cli("list", env=NARROW)
     assert alone.returncode == listed.returncode == 0, alone.stderr
     assert alone.stdout == listed.stdout and alone.stdout.startswith("NAME")
-    with_flag = run_cli("--json", env=NARROW)
-    assert with_flag.returncode == 2, "top-level flags that belong to a command stay errors"
+    with_flag = run_cli("--available", "--json", env=NARROW)
+    assert with_flag.returncode == 0, with_flag.stderr
+    assert with_flag.stdout == run_cli("list", "--available", "--json", env=NARROW).stdout
+    bad = run_cli("--bogus", env=NARROW)
+    assert bad.returncode == 2
+    assert bad.stderr == "attnhost list: error: unrecognized arguments: --bogus (see `attnhost list --help`)\n"
+
+
+def test_unknown_flag_points_at_the_commands_own_help() -> None:
+    result = run_cli("plugins", "--bogus", env=NARROW)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "attnhost plugins: error: unrecognized arguments: --bogus (see `attnhost plugins --help`)\n"
 
 
 def test_draft_flag_offers_the_draft_capable_names_with_aliases(site: Path) -> None:

@@ -421,7 +421,8 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="attnhost",
         description=_paragraph(
-            "Inspect the attention backends attnhost discovers and resolves. With no command, runs `attnhost list`."
+            "Inspect the attention backends attnhost discovers and resolves. With no command, runs `attnhost list` "
+            "(with any flags given)."
         ),
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -473,6 +474,10 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
         ServerArgs.add_cli_args(p_resolve)
     p_resolve.set_defaults(handler=_cmd_resolve)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> Any:
+    return next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
 
 
 def _version() -> str:
@@ -590,9 +595,11 @@ def _run(argv: list[str], out: TextIO, err: TextIO, is_program: bool) -> int:
     debug = env_flag(DEBUG_ENV)
     try:
         parser = _build_parser(argv)
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
         if args.command is None:  # `attnhost` / `python -m attnhost` alone: the common question
-            args = parser.parse_args([*argv, "list"])
+            args, extra = parser.parse_known_args(["list", *argv])  # with list's own flags: `attnhost --json`
+        if extra:  # reported by the command's own parser, so the hint names `attnhost COMMAND --help`
+            _subparsers(parser).choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
         handler: Callable[[argparse.Namespace, TextIO], int] = args.handler
         return handler(args, cast("TextIO", _Output(out)))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, naming the plugin being loaded (PluginLoadInterrupted)
