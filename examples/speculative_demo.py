@@ -15,7 +15,7 @@ can never make the target run the draft's kernel (SGLang #28559). The demo
 records those answers and prints them, and checks that speculative decoding
 produced exactly the target's own greedy output.
 
-Run: ``python examples/speculative_demo.py [--steps N] [--k K] [--draft-backend NAME]``
+Run: ``python examples/speculative_demo.py [--steps N] [--k K] [--draft-backend NAME] [--seed S]``
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -187,14 +188,52 @@ def speculate(
     return tokens[len(prompt) : len(prompt) + new_tokens], proposed, accepted
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=24, help="new tokens to generate (default: %(default)s)")
-    parser.add_argument("--k", type=int, default=4, help="tokens the draft proposes per round (default: %(default)s)")
-    parser.add_argument("--draft-backend", default=None, help="draft backend (default: a plugin's, else torch_native)")
-    parser.add_argument("--seed", type=int, default=0)
-    options = parser.parse_args(argv)
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line on stderr (exit 2), not a usage dump."""
 
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="speculative_demo.py", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--steps", type=_positive, default=24, help="new tokens to generate (default: %(default)s)")
+    parser.add_argument(
+        "--k", type=_positive, default=4, help="tokens the draft proposes per round (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--draft-backend",
+        default=None,
+        metavar="NAME",
+        help="the draft runner's backend (default: the first draft-capable backend an installed plugin "
+        "provides that runs here, else torch_native)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights and prompt (default: %(default)s)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    try:
+        return _run(options)
+    except attnhost.AttnhostError as exc:  # an unknown or unavailable --draft-backend, say
+        print(f"speculative_demo.py: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+
+
+def _run(options: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(options.seed)
     target_weights = Weights.random(generator)
     draft_weights = target_weights.perturbed(generator, noise=0.15)

@@ -42,8 +42,14 @@ _PLUGIN = '''\
 """Hooks only: discovery must stay cheap."""
 from attnhost import BackendSpec, hookimpl
 
-NAMES = ("correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global")
-_CLASSES = ("Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal")
+NAMES = (
+    "correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global",
+    "uses_arguments", "layer_zero", "float32_only", "bad_half", "bad_caps",
+)
+_CLASSES = (
+    "Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal",
+    "UsesArguments", "LayerZero", "Float32Only", "BadHalf", "BadCaps",
+)
 
 
 @hookimpl
@@ -63,7 +69,7 @@ _IMPL = '''\
 """One loop-based backend with switches for the bugs the kit must catch."""
 import torch
 
-from attnhost import AttentionBackend
+from attnhost import AttentionBackend, BackendCapabilities
 
 _LAST_BUILT = None
 
@@ -74,6 +80,9 @@ class Correct(AttentionBackend):
     scale = 1.0
     roll_slots = False
     prefix_offset = True
+    attend_arguments = False  # with save_kv_cache=False, attend over the k/v arguments (the bug)
+    write_layer = None  # a fixed layer to write every layer's K/V into (the bug)
+    half_bug = False  # float16 output zeroed (a broken half-precision path)
 
     def init_forward_metadata(self, forward_batch):
         pass
@@ -88,19 +97,27 @@ class Correct(AttentionBackend):
         pool = fb.kv_pool
         if save_kv_cache:
             loc = fb.out_cache_loc.roll(1) if self.roll_slots else fb.out_cache_loc
-            pool.set_kv(layer.layer_id, loc, k, v)
+            target = layer.layer_id if self.write_layer is None else self.write_layer
+            pool.set_kv(target, loc, k, v)
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
         for i in range(fb.batch_size):
             start, new, prefix = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             slots = pool.req_to_token[fb.req_pool_indices[i], : fb.seq_lens_cpu[i]]
-            keys = pool.k_buffer(layer.layer_id)[slots].double().repeat_interleave(group, dim=1)
-            values = pool.v_buffer(layer.layer_id)[slots].double().repeat_interleave(group, dim=1)
+            keys = pool.k_buffer(layer.layer_id)[slots].double()
+            values = pool.v_buffer(layer.layer_id)[slots].double()
+            if self.attend_arguments and not save_kv_cache:
+                keys[prefix:] = k[start : start + new].double()
+                values[prefix:] = v[start : start + new].double()
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
             scores = torch.einsum("thd,shd->hts", q[start : start + new].double(), keys) * layer.scaling
             offset = prefix if self.prefix_offset else 0
             visible = torch.arange(len(slots)) <= offset + torch.arange(new)[:, None]
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[start : start + new] = (torch.einsum("hts,shd->thd", weights, values) * self.scale).to(q.dtype)
+        if self.half_bug and q.dtype == torch.float16:
+            out.zero_()
         return out
 
 
@@ -121,7 +138,57 @@ class LeakyGlobal(Correct):
         super().__init__(runner)
         global _LAST_BUILT
         _LAST_BUILT = self
+
+
+class UsesArguments(Correct):
+    attend_arguments = True
+
+
+class LayerZero(Correct):
+    write_layer = 0
+
+
+class Float32Only(Correct):
+    capabilities = BackendCapabilities(dtypes=("float32",))
+
+
+class BadHalf(Correct):
+    capabilities = BackendCapabilities(dtypes=("float32", "float16"))
+    half_bug = True
+
+
+class BadCaps(Correct):
+    capabilities = {"dtypes": ("float32",)}
+
+
 '''
+
+# The shorthand's class has no docstring, so inspect would describe it with AttentionBackend's.
+_NODOC = """\
+from attnhost import AttentionBackend
+
+
+class NoDocstring(AttentionBackend):
+    scale, roll_slots, prefix_offset, attend_arguments, write_layer, half_bug = 1.0, False, True, False, None, False
+
+    def init_forward_metadata(self, forward_batch):
+        pass
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        from attnhost_broken.impl import Correct
+
+        return Correct._attend(self, q, k, v, layer, forward_batch, save_kv_cache)
+"""
+
+# A plugin whose hook name is misspelled: it fails to load, so its backend never registers.
+_TYPO = """\
+from attnhost import BackendSpec, hookimpl
+
+
+@hookimpl
+def attnhost_attention_backend():
+    return [BackendSpec(name="typo", factory="attnhost_broken.impl:Correct", description="never registered")]
+"""
 
 _EAGER = '''\
 """A correct shorthand backend whose module imports torch at discovery time."""
@@ -161,6 +228,34 @@ class TestLeakyGlobal(BackendConformance):
 
 class TestEager(BackendConformance):
     backend_name = "eager"
+
+
+class TestUsesArguments(BackendConformance):
+    backend_name = "uses_arguments"
+
+
+class TestLayerZero(BackendConformance):
+    backend_name = "layer_zero"
+
+
+class TestFloat32Only(BackendConformance):
+    backend_name = "float32_only"
+
+
+class TestBadHalf(BackendConformance):
+    backend_name = "bad_half"
+
+
+class TestBadCaps(BackendConformance):
+    backend_name = "bad_caps"
+
+
+class TestNoDocstring(BackendConformance):
+    backend_name = "nodoc"
+
+
+class TestTypo(BackendConformance):
+    backend_name = "typo"
 """
 
 # Every test of the kit, by the name pytest gives it (parametrized ones once per case).
@@ -179,6 +274,7 @@ KIT_TESTS = (
     "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
     "test_bfloat16",
+    "test_declared_capabilities_are_valid_and_hold",
     "test_kv_lands_in_the_right_cache_slots",
     "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
     "test_idle_batch_gives_an_empty_output",
@@ -193,6 +289,7 @@ FLOAT32_NUMERICS = {
     "test_head_layouts_mha_gqa_mqa[mha-4-4]",
     "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
+    "test_declared_capabilities_are_valid_and_hold",
     "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
 }
 
@@ -250,6 +347,14 @@ def broken_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {GROUP: {"eager": "attnhost_eager:EagerBackend"}},
         modules={"attnhost_eager": _EAGER},
     )
+    make_dist(
+        site,
+        "attnhost-nodoc",
+        "0.1",
+        {GROUP: {"nodoc": "attnhost_nodoc:NoDocstring"}},
+        modules={"attnhost_nodoc": _NODOC},
+    )
+    make_dist(site, "attnhost-typo", "0.1", {GROUP: {"typo": "attnhost_typo"}}, modules={"attnhost_typo": _TYPO})
     return site
 
 
@@ -340,6 +445,81 @@ def test_kit_fails_a_plugin_that_imports_torch_at_discovery(kit_results: dict[tu
     assert "attnhost_eager.py:2" in message, message  # the line that did it
 
 
+def test_kit_blames_the_plugin_that_failed_to_load(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    """Not 20 times "unknown backend": every test's first line is the plugin's own load error."""
+    results = outcomes(kit_results, "TestTypo")
+    for name, outcome in results.items():
+        assert outcome.status == "error", name
+        first = outcome.message.strip().splitlines()[0].removeprefix('failed on setup with "Failed: ')
+        assert first.startswith(
+            "spec: backend 'typo' is not registered because plugin 'typo' (distribution attnhost-typo 0.1) "
+            "failed to load: implements unknown hook 'attnhost_attention_backend'; did you mean "
+            "'attnhost_attention_backends'?"
+        ), first
+
+
+def test_kit_labels_name_the_case_that_failed(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestOffByAThousandth")
+    # the cached-prefix test fails in its first step, the prefill: it says so under its own name
+    assert results["test_extend_with_cached_prefix"].message.startswith(
+        "extend with cached prefix: the prefill before it: max abs error"
+    )
+    assert results["test_decode"].message.startswith("decode: the prefill before it: max abs error")
+    assert results["test_declared_capabilities_are_valid_and_hold"].message.startswith(
+        "capabilities: declared float32, head dim 32: extend: max abs error"
+    )
+
+
+def test_kit_blames_the_k_v_arguments_only_when_they_were_read(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    name = "test_save_kv_cache_false_neither_writes_nor_uses_k_v"
+    used = outcomes(kit_results, "TestUsesArguments")
+    assert failed(used) == {name}
+    assert used[name].message.startswith(
+        "save_kv_cache=False: the output attends over the k/v arguments (passed scaled by 100 here), not over "
+        "the K/V already in the cache"
+    ), used[name].message
+    off = outcomes(kit_results, "TestOffByAThousandth")[name].message
+    assert off.startswith("save_kv_cache=False: max abs error") and "k/v arguments" not in off, off
+
+
+def test_kit_says_where_the_k_v_went(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    cache = "test_kv_lands_in_the_right_cache_slots"
+    zero = outcomes(kit_results, "TestLayerZero")[cache].message
+    assert re.search(
+        r"K/V cache after extend: layer 1 slot (\d+) \(out_cache_loc of request 0, token 0\) does not hold that "
+        r"token's new K \(max abs diff \S+\); that token's K went to layer 0 slot \1 \(layer 1's K/V was "
+        r"written into layer 0: pass layer.layer_id to set_kv\)",
+        zero,
+    ), zero
+    rolled = outcomes(kit_results, "TestWrongSlot")[cache].message
+    match = re.search(
+        r"layer 1 slot (\d+) .*; it holds new token 1's K; that token's K went to layer 1 slot (\d+);", rolled
+    )
+    assert match and match.group(1) != match.group(2), rolled
+    assert "written into layer 0" not in rolled
+
+
+def test_kit_fails_a_shorthand_class_without_its_own_docstring(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestNoDocstring")
+    assert failed(results) == {"test_spec_name_and_description"}
+    assert results["test_spec_name_and_description"].message.startswith(
+        "spec: backend 'nodoc' is described by the docstring of AttentionBackend because its class has none of its own"
+    )
+
+
+def test_kit_checks_declared_capabilities(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    caps = "test_declared_capabilities_are_valid_and_hold"
+    only32 = outcomes(kit_results, "TestFloat32Only")
+    assert failed(only32) == {"test_bfloat16"} and only32["test_bfloat16"].status == "skipped"
+    assert "does not declare bfloat16" in only32["test_bfloat16"].message
+    half = outcomes(kit_results, "TestBadHalf")
+    assert failed(half) == {caps, "test_bfloat16"}, failed(half)
+    assert half[caps].message.startswith("capabilities: declared float16, head dim 32: extend: max abs error")
+    bad = outcomes(kit_results, "TestBadCaps")
+    assert failed(bad) == {caps}
+    assert bad[caps].message.startswith("capabilities: 'bad_caps' declares capabilities = {'dtypes'")
+
+
 # -- the pytest plugin ------------------------------------------------------------------
 
 
@@ -388,3 +568,18 @@ def test_pytest_plugin_costs_nothing_without_the_option() -> None:
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []
+
+
+def test_node_ids_of_a_failing_run_can_be_pasted_back(broken_site: Path, tmp_path: Path) -> None:
+    proc, results = run_pytest(
+        ["-rf", "--attnhost-backend", "no_prefix_offset", "-k", "cached_prefix or head_layouts"],
+        cwd=tmp_path,
+        path_entries=[broken_site],
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    printed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+    assert len(printed) >= 2 and any("gqa-8-2" in node for node in printed), proc.stdout
+    again, rerun = run_pytest(printed, cwd=tmp_path, path_entries=[broken_site])
+    assert again.returncode == 1, again.stdout + again.stderr
+    expected = {name: o.status for (_, name), o in results.items() if o.status == "failed"}
+    assert {name: o.status for (_, name), o in rerun.items()} == expected, again.stdout

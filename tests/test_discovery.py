@@ -82,12 +82,12 @@ def test_shorthand_entry_point_is_target_and_draft(tmp_path: Path) -> None:
 def test_table_shows_plugin_distribution_and_availability(tmp_path: Path) -> None:
     site = tmp_path / "site"
     make_plugin(site, "tiny-attn", "0.1", "tiny", "tiny_attn", SHORTHAND, attr="Tiny")
-    result = run_cli("list", path_entries=[site], env={"ATTNHOST_PLATFORM": "cpu"})
+    result = run_cli("list", "--wide", path_entries=[site], env={"ATTNHOST_PLATFORM": "cpu"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE"]
+    assert lines[0].split() == ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]
     tiny = next(line for line in lines if line.startswith("tiny "))
-    assert "target,draft" in tiny and "tiny-attn 0.1" in tiny and tiny.rstrip().endswith("yes")
+    assert "target,draft" in tiny and "tiny-attn 0.1" in tiny and " yes " in tiny
     flashinfer = next(line for line in lines if line.startswith("flashinfer "))
     assert "no: declared only" in flashinfer and "flashinfer-python" in flashinfer
     assert "platform cpu" in result.stdout

@@ -83,7 +83,7 @@ def test_list_shows_both_with_distribution_and_version(site: Path) -> None:
     )
     plugins = {p["name"]: p["status"] for p in data["plugins"]}
     assert plugins["batched"] == plugins["tiny"] == "loaded"
-    result = run_cli("list", "--draft", path_entries=[site])
+    result = run_cli("list", "--draft", "--wide", path_entries=[site])
     assert result.returncode == 0, result.stderr
     for name, (_, dist, version, _plugin) in BACKENDS.items():
         line = next(line for line in result.stdout.splitlines() if line.startswith(name + " "))
@@ -134,14 +134,14 @@ def test_examples_own_test_suites_pass(site: Path, sources: Path) -> None:
     proc = _pytest([f"{d}/tests" for d, *_ in BACKENDS.values()], cwd=sources, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
-    assert summary.startswith("38 passed"), summary  # 19 kit tests each, none skipped
+    assert summary.startswith("40 passed"), summary  # 20 kit tests each, none skipped
 
 
 @pytest.mark.torch  # the examples implement their backends with torch
 def test_pytest_option_runs_the_kit_against_both_without_a_test_file(site: Path, tmp_path: Path) -> None:
     proc = _pytest(["--attnhost-backend", "batched_matmul", "--attnhost-backend", "tiny"], cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith("38 passed"), proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("40 passed"), proc.stdout
 
 
 @pytest.mark.torch  # the examples implement their backends with torch

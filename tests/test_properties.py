@@ -31,6 +31,7 @@ from attnhost import (
     ServerArgs,
     UnknownBackendError,
 )
+from attnhost.availability import check_availability
 from attnhost.host import _reset_for_tests
 from attnhost.resolution import resolve
 from attnhost.server_args import SPECULATIVE_ATTENTION_MODES
@@ -175,7 +176,12 @@ def test_resolver_raises_only_documented_errors_and_keeps_its_promises(
             assert draft.fell_back and draft.name == fallback
         fell_back_warnings = [m for m in records.messages if m.startswith("draft worker only supports")]
         assert len(fell_back_warnings) == int(draft.fell_back)
-        assert result.warnings == ((draft.warning,) if draft.fell_back else ())
+        runs_here = check_availability(registry.entry(draft.name), draft.platform).available
+        assert draft.available is runs_here and (draft.problem is None) is runs_here
+        assert draft.problem is None or repr(draft.name) in draft.problem
+        assert result.warnings == ((draft.warning,) if draft.fell_back else ()) + (
+            () if runs_here else (draft.problem,)
+        )
         prefill, decode = args.get_attention_backends()
         assert result.target.prefill in registry and result.target.decode in registry
         assert prefill is None or result.target.prefill == prefill

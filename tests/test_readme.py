@@ -28,3 +28,86 @@ def test_python_example_runs_and_dispatches_per_runner() -> None:
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().endswith("ok")
+
+
+def _guide() -> str:
+    text = README.read_text()
+    start, end = text.index("<!-- plugin-guide:start -->"), text.index("<!-- plugin-guide:end -->")
+    return text[start:end]
+
+
+def _block(guide: str, first_line: str) -> str:
+    """The fenced block of the guide whose first line is ``first_line`` (a file-name comment)."""
+    for match in re.finditer(r"```(?:python|toml)\n(.*?)```", guide, re.S):
+        if match.group(1).startswith(first_line):
+            return match.group(1)
+    raise AssertionError(f"the plugin guide lost its block starting {first_line!r}")
+
+
+def test_plugin_guide_builds_a_backend_that_passes_the_conformance_kit(tmp_path: Path) -> None:
+    """The guide's pyproject, hooks, kernel and test file, installed as written, pass the whole kit."""
+    import subprocess
+    import sys
+    import tomllib
+
+    from distgen import make_dist
+    from helpers import subprocess_env
+
+    guide = _guide()
+    project = tomllib.loads(_block(guide, "# pyproject.toml"))["project"]
+    site = tmp_path / "site"
+    make_dist(
+        site,
+        project["name"],
+        project["version"],
+        project["entry-points"],
+        modules={
+            "acme_attn": _block(guide, "# acme_attn/__init__.py"),
+            "acme_attn.kernels": _block(guide, "# acme_attn/kernels.py"),
+        },
+    )
+    author = tmp_path / "acme-attn"
+    (author / "tests").mkdir(parents=True)
+    (author / "tests" / "test_conformance.py").write_text(_block(guide, "# tests/test_conformance.py"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "tests"],
+        capture_output=True,
+        text=True,
+        cwd=author,
+        env=subprocess_env([site], {"XDG_CACHE_HOME": str(tmp_path / "cache")}),
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"\b20 passed\b", proc.stdout), proc.stdout  # nothing skipped: drafts, every dtype
+
+
+def test_plugin_guide_documents_every_field_a_backend_reads() -> None:
+    guide = _guide()
+    for name in (
+        "req_pool_indices",
+        "seq_lens_cpu",
+        "prefix_lens",
+        "extend_prefix_lens",
+        "extend_seq_lens_cpu",
+        "extend_start_loc_cpu",
+        "out_cache_loc",
+        "req_to_token",
+        "k_buffer(layer_id)",
+        "set_kv(layer_id, loc, k, v)",
+        "strided views",
+        "layer.scaling",
+        "layer.num_kv_heads",
+        "save_kv_cache",
+        "BackendCapabilities",
+        "by default is\n  `forward_extend`",
+        "first result wins",
+        "`None` lets the next one answer",
+        "--index-url https://download.pytorch.org/whl/cpu",
+        "attnhost[test]",
+    ):
+        assert name in guide, name
+    for hook in ("attnhost_attention_backends", "attnhost_draft_attention_backends", "attnhost_draft_fallback"):
+        assert f"`{hook}(" in guide, hook
+    from attnhost.hooks import HOOK_NAMES
+
+    assert all(f"`{hook}(" in guide for hook in HOOK_NAMES), "every hook has a row in the guide's table"

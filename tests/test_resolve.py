@@ -12,6 +12,7 @@ from helpers import make_plugin, run_cli
 
 import attnhost
 from attnhost import BackendSpec, ServerArgs, resolve_attention_backends, resolve_draft_attention_backend
+from attnhost.host import _reset_for_tests
 
 PLATFORMS = ("cuda", "rocm", "cpu", "xpu", "npu", "mps")
 
@@ -85,6 +86,8 @@ def test_platform_comes_from_env_when_not_given(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ATTNHOST_PLATFORM", "ROCm")
     assert resolve_draft_attention_backend(ServerArgs()).name == "triton"
     monkeypatch.setenv("ATTNHOST_PLATFORM", "gpu9000")
+    assert resolve_draft_attention_backend(ServerArgs()).name == "triton", "the environment is read once per process"
+    _reset_for_tests()  # a fresh process, as far as attnhost can tell
     with pytest.raises(attnhost.PlatformError, match="unknown platform 'gpu9000'"):
         resolve_draft_attention_backend(ServerArgs())
 
@@ -144,9 +147,10 @@ def test_plugin_backends_and_fallback_hook() -> None:
     assert rejected.name == "flashinfer" and rejected.fell_back
     on_cpu = resolve_draft_attention_backend(ServerArgs(attention_backend="vendor_target_only"), "cpu")
     assert on_cpu.name == "vendor_draft" and on_cpu.fell_back
-    assert "plugin 'vendor'" in on_cpu.trace[-1]
+    assert "plugin 'vendor'" in on_cpu.trace[-2]
     on_rocm = resolve_draft_attention_backend(ServerArgs(), "rocm")
-    assert on_rocm.name == "triton" and "plugin 'builtin'" in on_rocm.trace[-1]
+    assert on_rocm.name == "triton" and "plugin 'builtin'" in on_rocm.trace[-2]
+    assert not on_rocm.available and "cannot run on rocm" in on_rocm.trace[-1]  # triton is declared only here
 
 
 def test_draft_capability_has_one_source_of_truth() -> None:
@@ -182,13 +186,16 @@ def test_broken_fallback_hook_is_skipped_with_a_warning(caplog: pytest.LogCaptur
 
 @pytest.mark.torch  # torch_native is available only with torch
 def test_cli_resolve_explains_rocm_fallback() -> None:
-    result = run_cli("resolve", "--attention-backend", "torch_native", "--platform", "rocm")
+    result = run_cli("resolve", "--attention-backend", "torch_native", "--platform", "rocm", "--wide")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(r"^prefill +torch_native *$", out, re.M) and re.search(r"^decode +torch_native *$", out, re.M)
     assert re.search(r"^draft +triton +\(fell back\)", out, re.M)
     assert "'torch_native' is not draft-capable" in out and "falling back to 'triton'" in out
-    assert "warning" in result.stderr and "torch_native" in result.stderr
+    # the warning is printed once, in the report's warnings (not a second time as a log line on stderr)
+    warning = "draft worker only supports attention backends in ["
+    assert (out + result.stderr).count(warning) == 1, out + result.stderr
+    assert re.search(r"^warnings:\n  - draft worker only supports .* but got 'torch_native'", out, re.M)
 
 
 def test_cli_resolve_json() -> None:
@@ -198,7 +205,9 @@ def test_cli_resolve_json() -> None:
     assert {"platform", "prefill", "decode", "draft", "draft_fell_back", "trace", "warnings"} <= set(data)
     assert data["platform"] == "rocm" and data["draft"] == "triton" and data["draft_fell_back"] is True
     assert data["prefill"] == data["decode"] == "torch_native"
-    assert len(data["warnings"]) == 1 and len(data["trace"]) >= 4
+    # two warnings: SGLang's fallback one, and that the fallback (triton, declared only) cannot run here
+    assert len(data["warnings"]) == 2 and len(data["trace"]) >= 4
+    assert data["draft_available"] is False and data["draft_problem"] == data["warnings"][1]
 
 
 @pytest.mark.parametrize(

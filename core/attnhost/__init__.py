@@ -46,7 +46,17 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'attnhost' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "torch":
+            raise
+        raise ModuleNotFoundError(
+            f"attnhost.{name} needs torch, which is not installed: pip install 'attnhost[torch]' (on a "
+            "CPU-only Linux machine first pip install torch --index-url https://download.pytorch.org/whl/cpu, "
+            "as a plain install brings a multi-GB CUDA build)",
+            name="torch",
+        ) from None
     globals()[name] = value
     return value
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from attnhost.errors import printable
 from attnhost.platform import module_installed
 
 if TYPE_CHECKING:
@@ -21,13 +22,20 @@ class Availability(NamedTuple):
 
     available: bool
     reason: str | None = None
+    summary: str | None = None
+    """The reason without the per-backend detail, so a table can group the rows that share it."""
+
+    @property
+    def short(self) -> str | None:
+        """``summary`` if there is one, else ``reason``."""
+        return self.summary or self.reason
 
 
 def _install_hint(entry: BackendEntry) -> str:
     if entry.spec.provided_by:
-        return f"pip install {entry.spec.provided_by}"
+        return f"pip install {printable(entry.spec.provided_by)}"
     if entry.distribution:
-        return f"reinstall {entry.distribution}"
+        return f"reinstall {printable(entry.distribution)}"
     return "install the package that provides it"
 
 
@@ -35,10 +43,13 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
     """Available means: implemented, meant for ``platform``, and its modules importable."""
     spec = entry.spec
     if not spec.implemented:
-        kernels = f" (kernels: {spec.provided_by})" if spec.provided_by else ""
-        return Availability(False, f"declared only, no installed plugin implements it{kernels}")
+        # What is missing is a plugin implementing the name; the kernels' distribution is named as what such
+        # a plugin builds on, never as something to install (torch is installed, yet flex_attention is not).
+        summary = "declared only: no installed plugin implements it"
+        builds_on = f" (a plugin would build it on {printable(spec.provided_by)})" if spec.provided_by else ""
+        return Availability(False, summary + builds_on, summary)
     if spec.platforms and platform not in spec.platforms:
-        return Availability(False, f"runs on {', '.join(spec.platforms)}, not {platform}")
+        return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
     missing = [module for module in spec.requires if not module_installed(module)]
     if missing:
         return Availability(False, f"module {missing[0]!r} is not installed ({_install_hint(entry)})")

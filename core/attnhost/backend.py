@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from attnhost.errors import BackendUnavailableError, describe_exception, safe_repr
 from attnhost.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
@@ -19,7 +23,14 @@ if TYPE_CHECKING:
 
     from attnhost.forward_batch import ForwardBatch
 
-__all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionLayer",
+    "AttentionRunner",
+    "BackendCapabilities",
+    "KVCache",
+    "build_backend",
+]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -208,3 +219,48 @@ class AttentionBackend(abc.ABC):
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+_handed_out: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
+"""Every backend instance a factory has returned to a runner and that is still alive, by ``id``."""
+_unweakrefable: dict[int, AttentionBackend] = {}
+"""The same for the rare registered (virtual) subclass whose instances take no weak reference."""
+_handed_out_lock = threading.Lock()
+
+
+def build_backend(
+    factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
+) -> AttentionBackend:
+    """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
+
+    Every model runner must get its own instance: a factory that hands one
+    instance to two runners (a cached singleton, say) makes the target
+    dispatch to the draft's backend, SGLang #28559's bug, so the second hand-
+    out is refused. Whatever the factory raises, ``SystemExit`` included,
+    becomes a ``BackendUnavailableError``: it is other people's code running
+    inside a server's start-up. ``where`` names the runner, the backend, its
+    plugin and distribution; ``way_out`` ends a factory-failure message;
+    ``owner`` is whom to report a broken contract to.
+    """
+    try:
+        backend = factory(runner)
+    except (Exception, SystemExit) as exc:
+        raise BackendUnavailableError(f"{where}: its factory raised {describe_exception(exc)}; {way_out}") from exc
+    if not isinstance(backend, AttentionBackend):
+        raise BackendUnavailableError(
+            f"{where}: its factory returned {type(backend).__name__} {safe_repr(backend)}, not an "
+            f"attnhost.AttentionBackend; report this to the maintainers of {owner}"
+        )
+    key = id(backend)
+    with _handed_out_lock:
+        if _handed_out.get(key) is backend or _unweakrefable.get(key) is backend:
+            raise BackendUnavailableError(
+                f"{where}: its factory returned an instance ({safe_repr(backend)}) it had already returned for "
+                "another runner; every runner needs its own, or the target runs the draft's backend "
+                f"(SGLang #28559) — report this to the maintainers of {owner}"
+            )
+        try:
+            _handed_out[key] = backend
+        except TypeError:  # no weak reference possible: remember it for the life of the process
+            _unweakrefable[key] = backend
+    return backend

@@ -9,21 +9,34 @@ the plugin, its distribution and the cause.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from attnhost.entry_points import EntryPointRecord, normalize_name
-from attnhost.errors import PluginProblem, RegistryFrozenError, describe_exception, one_line, plugin_label, safe_repr
-from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
+from attnhost.errors import (
+    PluginLoadInterrupted,
+    PluginProblem,
+    describe_exception,
+    one_line,
+    plugin_label,
+    printable,
+    printable_record,
+    safe_repr,
+)
+from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl, plugin_output
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
@@ -32,6 +45,7 @@ __all__ = [
     "BUILTIN_MODULE",
     "BUILTIN_PLUGIN",
     "ENTRY_POINT_GROUP",
+    "SLOW_IMPORT_WARNING_S",
     "GuardedPluginManager",
     "PluginInfo",
     "PluginStatus",
@@ -45,12 +59,15 @@ if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_DISTRIBUTION = "attnhost"
 BUILTIN_PLUGIN = "builtin"
 """The built-in plugin's name: attnhost's own entry point ``builtin = attnhost_builtin``."""
 BUILTIN_MODULE = "attnhost_builtin"
+SLOW_IMPORT_WARNING_S = 10.0
+"""How long a plugin's import may run before one warning names it; the host keeps waiting either way."""
 
 
 class PluginStatus(enum.StrEnum):
@@ -134,29 +151,38 @@ def as_plugin(name: str, obj: object) -> object:
 
 
 class GuardedPluginManager(pluggy.PluginManager):
-    """A pluggy manager that refuses registration once the registry is frozen.
+    """A pluggy manager whose every change to the plugin set goes through the host's guard.
 
-    SGLang's late registrations were silently ignored; here they raise, and
-    every accepted registration tells the host its registry is stale.
+    SGLang's late registrations were silently ignored; here the guard takes
+    the host's lock, refuses the change once the registry is frozen (raising
+    ``RegistryFrozenError``), and marks the registry stale after it, so no
+    thread can slip a plugin in between a freeze's check and its build.
     """
 
-    def __init__(self, is_frozen: Callable[[], bool], on_change: Callable[[], None]) -> None:
+    def __init__(self, guard: Callable[[str], AbstractContextManager[object]]) -> None:
         super().__init__(PROJECT_NAME)
-        self._is_frozen = is_frozen
-        self._on_change = on_change
+        self._guard = guard
         self.add_hookspecs(AttnhostHookSpecs)
 
+    def _label(self, plugin: object | None, name: str | None) -> str:
+        label = name if name is not None else self.get_canonical_name(plugin) if plugin is not None else "?"
+        return printable(repr(label))
+
     def register(self, plugin: object, name: str | None = None) -> str | None:
-        if self._is_frozen():
-            label = name or self.get_canonical_name(plugin)
-            raise RegistryFrozenError(
-                f"plugin {label!r} was registered after the first ServerArgs froze the backend registry; "
-                f"declare it as an entry point in group {ENTRY_POINT_GROUP!r} or register it before "
-                "building ServerArgs"
-            )
-        registered = super().register(plugin, name)
-        self._on_change()
-        return registered
+        with self._guard(f"registering plugin {self._label(plugin, name)}"):
+            return super().register(plugin, name)
+
+    def unregister(self, plugin: object | None = None, name: str | None = None) -> Any | None:
+        with self._guard(f"unregistering plugin {self._label(plugin, name)}"):
+            return super().unregister(plugin, name)
+
+    def set_blocked(self, name: str) -> None:
+        with self._guard(f"blocking plugin {self._label(None, name)}"):
+            super().set_blocked(name)
+
+    def unblock(self, name: str) -> bool:
+        with self._guard(f"unblocking plugin {self._label(None, name)}"):
+            return super().unblock(name)
 
 
 def _unknown_hook_message(hook_name: str) -> str:
@@ -192,6 +218,18 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
     if unknown:
         pm.unregister(name=name)
         raise PluginProblem(_unknown_hook_message(unknown[0]))
+    wrappers = sorted(
+        caller.name
+        for caller in callers
+        for impl in caller.get_hookimpls()
+        if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)
+    )
+    if wrappers:
+        pm.unregister(name=name)
+        raise PluginProblem(
+            f"implements {wrappers[0]} as a wrapper; attnhost asks every plugin for its own answer "
+            "(to name who gave it), so implement it as a plain @attnhost.hookimpl"
+        )
     if not callers:
         pm.unregister(name=name)
         undecorated = _undecorated_hooks(plugin)
@@ -366,19 +404,104 @@ def load_entry_points(
         found = {record.name for record in records} | {BUILTIN_PLUGIN}
         missing = tuple(sorted(settings.allow - found))
         for name in missing:
-            logger.warning(
-                "%s names plugin %r, which is not installed; check the spelling or install it (installed plugins: %s)",
-                PLUGINS_ENV,
-                name,
-                ", ".join(sorted(found)) or "none",
-            )
+            logger.warning("%s", _not_installed_message(name, found))
         result.missing_allowed = missing
     return result
 
 
+def _not_installed_message(name: str, installed: set[str]) -> str:
+    """``ATTNHOST_PLUGINS names plugin 'x', which is not installed; did you mean 'y'? ...``"""
+    import difflib  # only on this warning's path
+
+    close = difflib.get_close_matches(name, sorted(installed), n=1)
+    hint = f"did you mean {printable(repr(close[0]))}?" if close else "check the spelling or install it"
+    return (
+        f"{PLUGINS_ENV} names plugin {printable(repr(name))}, which is not installed; {hint} "
+        f"(installed plugins: {printable(', '.join(sorted(installed))) or 'none'})"
+    )
+
+
+class _SlowImportWatch:
+    """A watcher thread that names the plugin whose import runs past :data:`SLOW_IMPORT_WARNING_S`.
+
+    An import cannot be interrupted safely, so the host only says which
+    plugin it is waiting for (once per import) and goes on waiting. One
+    thread serves every import of a load (most loads import many plugins
+    and none of them is slow) and ends once no import has started for a
+    while; the next import starts another.
+    """
+
+    _IDLE_S = 1.0
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        """Fresh state (also in a forked child, where the lock may have been held and the thread is gone)."""
+        self._cond = threading.Condition()
+        self._current: tuple[str] | None = None
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def importing(self, what: str) -> Iterator[None]:
+        """Watch the import run inside the ``with`` block; ``what`` is the warning if it runs long."""
+        with self._cond:
+            self._current = (what,)  # a fresh tuple per import: the watcher compares identities
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._watch, name="attnhost-slow-import", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._current = None
+                self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while True:
+                current = self._current
+                if current is None:
+                    if not self._cond.wait(self._IDLE_S) and self._current is None:
+                        self._thread = None
+                        return
+                    continue
+                deadline = time.monotonic() + SLOW_IMPORT_WARNING_S
+                while self._current is current:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        logger.warning("%s", current[0])
+                        while self._current is current:
+                            self._cond.wait()
+                        break
+                    self._cond.wait(remaining)
+
+
+_WATCH = _SlowImportWatch()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_WATCH._reset)
+
+
+def _import(record: EntryPointRecord, info: PluginInfo) -> object:
+    """Import the entry point's object: its prints go to stderr, a hang is named, Ctrl-C names the plugin."""
+    slow = (
+        f"still importing {info.origin} (entry point {printable(repr(record.value))}) after "
+        f"{SLOW_IMPORT_WARNING_S:g} s; waiting for it, since an import cannot be stopped safely — if it hangs, "
+        f"{way_out(info)}"
+    )
+    try:
+        with _WATCH.importing(slow), plugin_output():
+            return record.load()
+    except KeyboardInterrupt:
+        raise PluginLoadInterrupted(
+            f"interrupted while importing {info.origin} (entry point {printable(repr(record.value))})"
+        ) from None
+
+
 def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginInfo) -> PluginInfo:
     try:
-        obj = record.load()
+        obj = _import(record, info)
     except (Exception, SystemExit) as exc:
         return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}")
     try:

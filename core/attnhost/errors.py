@@ -9,6 +9,8 @@ exception without importing the plugin loader.
 
 from __future__ import annotations
 
+import logging
+
 __all__ = [
     "AttnhostError",
     "BackendUnavailableError",
@@ -17,6 +19,7 @@ __all__ = [
     "NoForwardContextError",
     "PlatformError",
     "PluginLoadError",
+    "PluginLoadInterrupted",
     "PluginProblem",
     "RankCheckError",
     "RankMismatchError",
@@ -26,6 +29,8 @@ __all__ = [
     "describe_exception",
     "one_line",
     "plugin_label",
+    "printable",
+    "printable_record",
     "safe_repr",
 ]
 
@@ -63,6 +68,15 @@ class PluginLoadError(AttnhostError, RuntimeError):
     """One or more plugins failed to load while ``ATTNHOST_STRICT=1`` is set."""
 
 
+class PluginLoadInterrupted(KeyboardInterrupt):
+    """Ctrl-C arrived while a plugin was being imported; the message names the plugin and its distribution.
+
+    Still a ``KeyboardInterrupt``, so whatever stops on Ctrl-C still stops;
+    the CLI prints its one line and exits with status 130 instead of a
+    traceback through the plugin's import.
+    """
+
+
 class InvalidPluginError(AttnhostError, ValueError):
     """An in-process plugin object that cannot be registered."""
 
@@ -91,16 +105,54 @@ class RankMismatchError(RankCheckError):
     """Ranks discovered different plugins or resolved different backends; raised on every rank."""
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on, rather than show, written as an escape.
+
+    Plugin text (entry-point names, metadata names and versions, exception
+    messages, descriptions) reaches terminals and log files; an escape
+    sequence in it could clear the screen or forge output, and a bidi
+    override could reorder what the reader sees. So every character that
+    ``str.isprintable`` rejects (controls, line breaks, tabs, format and
+    bidi characters, lone surrogates, unassigned code points) becomes the
+    escape ``repr`` would write for it (``\\x1b``, ``\\n``, ``\\u202e``).
+    The result is one line of printable text, and applying it twice changes
+    nothing more.
+    """
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
+
+
+def printable_record(record: logging.LogRecord) -> bool:
+    """A logging filter that makes a record's message :func:`printable` (it never drops one).
+
+    The modules that log plugin text attach it to their loggers, so a
+    distribution name or an exception message from a plugin reaches no log
+    handler, attnhost's or an application's, with a control sequence in it.
+    """
+    try:
+        message = record.getMessage()
+    except Exception:  # a malformed record: leave it to the handler's own error reporting
+        return True
+    shown = printable(message)
+    if shown != message:
+        record.msg, record.args = shown, None
+    return True
+
+
 def plugin_label(name: str, distribution: str | None, version: str | None) -> str:
-    """``plugin 'x' (distribution y 1.0)``: how every message names a plugin."""
+    """``plugin 'x' (distribution y 1.0)``: how every message names a plugin (escaped: it is plugin text)."""
     if distribution is None:
-        return f"plugin {name!r} (registered in-process)"
-    return f"plugin {name!r} (distribution {distribution} {version})"
+        return f"plugin {printable(repr(name))} (registered in-process)"
+    return f"plugin {printable(repr(name))} (distribution {printable(str(distribution))} {printable(str(version))})"
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks folded into spaces: every warning about a plugin is one line."""
-    return " ".join(text.split())
+    """``text`` with its line breaks folded into spaces and what remains unprintable escaped (:func:`printable`).
+
+    Every warning about a plugin is one line, and none can carry a control sequence.
+    """
+    return printable(" ".join(text.split()))
 
 
 def safe_repr(obj: object, limit: int = 60) -> str:
@@ -122,5 +174,5 @@ def describe_exception(exc: BaseException) -> str:
         lines = str(exc).strip().splitlines()
     except Exception:
         lines = ["<exception with a broken __str__>"]
-    kind = type(exc).__name__
+    kind = printable(type(exc).__name__)
     return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind

@@ -12,12 +12,12 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
 import pluggy
 
-from attnhost import entry_points
+from attnhost import entry_points, settings
 from attnhost.discovery import (
     ENTRY_POINT_GROUP,
     GuardedPluginManager,
@@ -27,7 +27,15 @@ from attnhost.discovery import (
     load_entry_points,
     register_checked,
 )
-from attnhost.errors import AttnhostError, InvalidPluginError, PluginLoadError, PluginProblem, RegistryFrozenError
+from attnhost.errors import (
+    AttnhostError,
+    InvalidPluginError,
+    PluginLoadError,
+    PluginProblem,
+    RegistryFrozenError,
+    printable,
+    printable_record,
+)
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
 from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
@@ -36,6 +44,7 @@ from attnhost.spec import BackendSpec, check_backend_name
 __all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
 """The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
@@ -45,12 +54,13 @@ class _DeclaredNames:
     """The in-process plugin behind ``add_attention_backend_choices`` and friends."""
 
     def __init__(self) -> None:
-        self.target: list[str] = []
-        self.draft: list[str] = []
+        # dicts as ordered sets: adding n names one call at a time stays linear
+        self.target: dict[str, None] = {}
+        self.draft: dict[str, None] = {}
 
     @hookimpl
     def attnhost_attention_backends(self) -> list[BackendSpec]:
-        names = dict.fromkeys(self.target + self.draft)
+        names = {**self.target, **self.draft}
         return [BackendSpec(name=name, description="declared in-process by name only") for name in names]
 
     @hookimpl
@@ -69,8 +79,10 @@ class PluginHost:
         self._declared = _DeclaredNames()
         self._registry: Registry | None = None
         self._plugins: tuple[PluginInfo, ...] = ()
-        self._frozen = False
-        self._frozen_by = "the first ServerArgs"
+        self._frozen_by: str | None = None
+        """What froze the registry (``the first ServerArgs``, ...), named in every late registration's error."""
+        self._settings: LoadSettings | None = None
+        """The load settings, read before the first plugin is imported and used for the rest of the process."""
         self._strict_error: PluginLoadError | None = None
         self._loading: GuardedPluginManager | None = None
         """The manager being filled while entry points are imported (re-entrant calls get it)."""
@@ -93,8 +105,8 @@ class PluginHost:
                 # A plugin being imported calls back into attnhost (SGLang-style add_*_choices
                 # at import time): it gets the manager being filled, never a second load.
                 return self._loading
-            pm = GuardedPluginManager(self.is_frozen, self._invalidate)
-            settings = LoadSettings.from_env()
+            pm = GuardedPluginManager(self._change)
+            settings = self._settings = LoadSettings.from_env()  # before any plugin code runs
             records = entry_points.scan(ENTRY_POINT_GROUP)
             self._loading = pm
             try:
@@ -109,6 +121,22 @@ class PluginHost:
 
     def _invalidate(self) -> None:
         self._registry = None
+
+    @contextlib.contextmanager
+    def _change(self, what: str) -> Iterator[None]:
+        """Guard one change to the plugin set: under the lock, refused once frozen, the registry stale after.
+
+        The check, the change and the invalidation happen under one hold of
+        the lock that freezing takes, so a registration racing the first
+        ``ServerArgs`` either lands before the freeze's build (and is in the
+        frozen registry) or raises ``RegistryFrozenError``.
+        """
+        with self._lock:
+            self._check_not_frozen(what)
+            try:
+                yield
+            finally:
+                self._invalidate()
 
     def registry(self) -> Registry:
         """The current registry; raises ``PluginLoadError`` under ``ATTNHOST_STRICT=1`` if a plugin failed."""
@@ -138,19 +166,27 @@ class PluginHost:
         ]
         self._building = True
         try:
-            registry, plugins = build_registry(collect_contributions(pm, records))
+            contributions = collect_contributions(pm, records)
         finally:
             self._building = False
+        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it.
+        for before, after in zip(records, contributions, strict=True):
+            if before.status is PluginStatus.LOADED and isinstance(after, PluginInfo) and pm.has_plugin(after.name):
+                pm.unregister(name=after.name)
+        registry, plugins = build_registry(contributions)
         for info in plugins:
             for warning in info.warnings:
                 if warning not in self._logged:
                     self._logged.add(warning)
                     logger.warning("%s", warning)
-        # A plugin whose hook failed was unregistered; remember why, so a rebuild
-        # (after an in-process registration) reports it the same way.
+        # A plugin whose hook failed was unregistered; remember why, so a rebuild (after an in-process
+        # registration) reports it the same way. Only the loaded record of that name is replaced: a
+        # duplicate row of the same name, from another distribution, keeps its own record.
         failed = {info.name: info for info in plugins if info.status is PluginStatus.FAILED}
         self._discovered = [
-            replace(failed[info.name], backends=(), warnings=()) if info.name in failed else info
+            replace(failed[info.name], backends=(), warnings=())
+            if info.status is PluginStatus.LOADED and info.name in failed
+            else info
             for info in self._discovered
         ]
         for name, info in failed.items():
@@ -158,7 +194,7 @@ class PluginHost:
                 self._in_process[name] = replace(info, backends=(), warnings=())
         self._plugins = tuple(plugins)
         self._registry = registry
-        strict = LoadSettings.from_env().strict
+        strict = (self._settings or LoadSettings.from_env()).strict
         self._strict_error = _strict_error(self._plugins, self._missing_allowed) if strict else None
         return registry
 
@@ -172,18 +208,19 @@ class PluginHost:
     # -- registration --------------------------------------------------------------
 
     def is_frozen(self) -> bool:
-        return self._frozen
+        return self._frozen_by is not None
 
     def freeze(self, by: str = "the first ServerArgs") -> Registry:
-        """Freeze the registry (idempotent); from now on every registration raises.
+        """Freeze the registry (idempotent); from now on every registration raises, naming ``by``.
 
-        ``by`` names what froze it in the error a late registration gets (an
-        engine bridge freezes it when the engine's own arguments are resolved).
+        ``by`` says what needed the set of backends to stop moving (``the
+        first ServerArgs``, ``ServerArgs.add_cli_args``, an engine's model
+        runner); the first freeze's is kept.
         """
         with self._lock:
             registry = self.registry()
-            if not self._frozen:
-                self._frozen, self._frozen_by = True, by
+            if self._frozen_by is None:
+                self._frozen_by = by
             return registry
 
     def _check_not_loading(self, what: str) -> None:
@@ -208,10 +245,11 @@ class PluginHost:
     def _check_not_frozen(self, what: str) -> None:
         if self._building:
             self._check_not_loading(what)
-        if self._frozen:
+        if self._frozen_by is not None:
             raise RegistryFrozenError(
                 f"{what} came after {self._frozen_by} froze the backend registry; declare it from a "
-                f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or call it before building ServerArgs"
+                f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or do it before building ServerArgs "
+                "or an argument parser"
             )
 
     def add_choices(self, names: Iterable[str], *, draft: bool) -> None:
@@ -224,7 +262,7 @@ class PluginHost:
                 check_backend_name(name)
             pm = self.plugin_manager()
             target_list = self._declared.draft if draft else self._declared.target
-            target_list.extend(name for name in names if name not in target_list)
+            target_list.update(dict.fromkeys(names))
             if not pm.is_registered(self._declared):
                 pm.register(self._declared, name=DECLARED_NAMES_PLUGIN)
                 self._in_process[DECLARED_NAMES_PLUGIN] = _in_process_info(DECLARED_NAMES_PLUGIN, self._declared)
@@ -277,6 +315,7 @@ def _strict_error(plugins: Iterable[PluginInfo], missing_allowed: Iterable[str] 
     parts = [f"{info.origin}: {info.error}" for info in failed]
     parts += [f"{info.origin}: {warning}" for info in conflicted for warning in info.warnings]
     parts += missing
+    parts = [printable(part) for part in parts]  # plugin text (errors, distribution names) in an error message
     return PluginLoadError(
         f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
         + "; ".join(parts)
@@ -310,5 +349,6 @@ def register_plugin(plugin: object, name: str | None = None) -> str:
 
 
 def _reset_for_tests() -> None:
-    """Forget every plugin and the freeze; for attnhost's own test-suite only."""
+    """Forget every plugin, the freeze and the settings read; for attnhost's own test-suite only."""
+    settings._reset_for_tests()
     _DEFAULT.__init__()  # type: ignore[misc]

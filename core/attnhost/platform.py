@@ -16,7 +16,7 @@ import re
 import sys
 
 from attnhost.errors import PlatformError
-from attnhost.settings import PLATFORM_ENV, env_text
+from attnhost.settings import PLATFORM_ENV, current
 
 __all__ = [
     "KNOWN_PLATFORMS",
@@ -104,10 +104,15 @@ def detect_platform() -> str:
 
 
 def current_platform(override: str | None = None) -> str:
-    """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection."""
-    if override:
+    """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection.
+
+    An override is a platform name like any other: an empty one is an error,
+    not "detect". ``ATTNHOST_PLATFORM`` is read once per process, with the
+    other settings, so a plugin's import-time code cannot move it.
+    """
+    if override is not None:
         return normalize_platform(override)
-    from_env = env_text(PLATFORM_ENV)
+    from_env = current().platform
     if from_env:
         return normalize_platform(from_env, origin=PLATFORM_ENV)
     return detect_platform()
@@ -115,7 +120,7 @@ def current_platform(override: str | None = None) -> str:
 
 def describe_detection() -> str:
     """One line saying where the platform came from, for ``attnhost list`` and traces."""
-    if env_text(PLATFORM_ENV):
+    if current().platform:
         return f"from {PLATFORM_ENV}"
     info = torch_build_info()
     if not info:

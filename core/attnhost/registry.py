@@ -17,13 +17,23 @@ from typing import Any, Literal
 import pluggy
 
 from attnhost.discovery import PluginInfo, PluginStatus, way_out
-from attnhost.errors import UnknownBackendError, describe_exception, one_line, plugin_label, safe_repr
+from attnhost.errors import (
+    PluginLoadInterrupted,
+    UnknownBackendError,
+    describe_exception,
+    one_line,
+    plugin_label,
+    printable_record,
+    safe_repr,
+)
+from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
 
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 Role = Literal["target", "draft"]
 
@@ -75,9 +85,9 @@ class Registry(Mapping[str, BackendSpec]):
         self._aliases = MappingProxyType(dict(aliases))
         self._order = tuple(entries)
         # Draft names keep the order plugins declared them in (SGLang's list order for the built-ins).
-        declared = [name for name in draft_order if name in entries and entries[name].draft]
+        declared = dict.fromkeys(name for name in draft_order if name in entries and entries[name].draft)
         rest = [name for name, entry in entries.items() if entry.draft and name not in declared]
-        self._draft = tuple(dict.fromkeys(declared + rest))
+        self._draft = (*declared, *rest)
 
     def canonical(self, name: str) -> str | None:
         """The canonical name for ``name`` (itself, or what it is an alias of), or None."""
@@ -135,25 +145,12 @@ class Registry(Mapping[str, BackendSpec]):
         return tuple(self._entries.values())
 
 
-_NOT_IMPLEMENTED = object()
-"""What :func:`_call_hook` returns for a plugin without that hook (``None`` is a wrong answer)."""
-
-
 class _BadReturn(TypeError):
     """A hook answered with the wrong type; the message starts with the hook's name."""
 
 
-def _call_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str) -> Any:
-    """Call one plugin's implementation of a no-argument hook, or return ``_NOT_IMPLEMENTED``."""
-    caller = getattr(pm.hook, hook_name)
-    for impl in caller.get_hookimpls():
-        if impl.plugin_name == plugin_name:
-            return impl.function()
-    return _NOT_IMPLEMENTED
-
-
 def _expect_sequence(value: object, hook_name: str, item_type: type, item_label: str) -> tuple[Any, ...]:
-    if value is _NOT_IMPLEMENTED:
+    if value is NOT_IMPLEMENTED:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
         # None included: pluggy would drop it silently, but a plugin that answers None has a bug worth seeing.
@@ -170,11 +167,13 @@ def _expect_sequence(value: object, hook_name: str, item_type: type, item_label:
 
 
 def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo]) -> list[Contribution | PluginInfo]:
-    """Call each loaded plugin's hooks in isolation; a plugin whose hook fails yields a failed ``PluginInfo``.
+    """Ask each loaded plugin's hooks in turn; a plugin whose hook fails yields a failed ``PluginInfo``.
 
-    Hooks are called per plugin rather than through pluggy's fan-out so that
-    one plugin's exception or bad return value is attributed to it alone and
-    the others' contributions survive.
+    One item out per item in, in order. Hooks are asked per plugin (each
+    call still made by pluggy) rather than through one fan-out, so that one
+    plugin's exception or bad return value is attributed to it alone and
+    the others' contributions survive. A failed plugin is left registered:
+    the caller, which owns the manager, unregisters it.
     """
     out: list[Contribution | PluginInfo] = []
     for info in plugins:
@@ -183,19 +182,19 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
             continue
         hook = "attnhost_attention_backends"
         try:
-            specs = _expect_sequence(_call_hook(pm, hook, info.name), hook, BackendSpec, "BackendSpecs")
+            specs = _expect_sequence(call_plugin_hook(pm, hook, info.name), hook, BackendSpec, "BackendSpecs")
             hook = "attnhost_draft_attention_backends"
-            drafts = _expect_sequence(_call_hook(pm, hook, info.name), hook, str, "backend names")
+            drafts = _expect_sequence(call_plugin_hook(pm, hook, info.name), hook, str, "backend names")
             for draft_name in drafts:
                 check_backend_name(draft_name, "draft backend name")
+        except KeyboardInterrupt:
+            raise PluginLoadInterrupted(f"interrupted while {info.origin} answered hook {hook}") from None
         except (Exception, SystemExit) as exc:
             cause = str(exc) if isinstance(exc, _BadReturn) else f"hook {hook} raised {describe_exception(exc)}"
             failed = replace(info, status=PluginStatus.FAILED, error=one_line(cause))
             logger.warning(
                 "%s failed to load: %s; its backends are ignored; %s", failed.origin, failed.error, way_out(failed)
             )
-            if pm.has_plugin(info.name):
-                pm.unregister(name=info.name)
             out.append(failed)
             continue
         out.append(Contribution(info, specs, drafts))
@@ -298,12 +297,16 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
             merger.add_draft(contrib.plugin, name)
     plugins: list[PluginInfo] = []
     for item in contributions:
-        info = item.plugin if isinstance(item, Contribution) else item
+        if not isinstance(item, Contribution):
+            # Not loaded, failed or a duplicate: it contributed nothing, even when a loaded plugin of another
+            # distribution has the same name (the merger's books are keyed by plugin name).
+            plugins.append(replace(item, backends=()))
+            continue
         plugins.append(
             replace(
-                info,
-                backends=tuple(merger.owned.get(info.name, ())),
-                warnings=info.warnings + tuple(merger.notes.get(info.name, ())),
+                item.plugin,
+                backends=tuple(merger.owned.get(item.plugin.name, ())),
+                warnings=item.plugin.warnings + tuple(merger.notes.get(item.plugin.name, ())),
             )
         )
     return Registry(merger.entries, merger.aliases, merger.draft_order), plugins

@@ -5,6 +5,8 @@ decision appends one readable step. The draft rule is SGLang #35932's:
 explicit → inherit the target's prefill backend → platform fallback, with a
 backend that cannot draft replaced by the platform's fallback (and a logged
 warning). Draft capability is asked of the registry only — no private list.
+A draft backend that cannot run here (flashinfer, the fallback, on a CPU
+machine) is marked so, with the way out, before any runner tries to build it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from attnhost.errors import AttnhostError, describe_exception
+from attnhost.availability import check_availability
+from attnhost.errors import AttnhostError, describe_exception, printable, printable_record
+from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
 from attnhost.host import default_host
 from attnhost.platform import current_platform
 from attnhost.registry import Registry
@@ -29,6 +33,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,6 +59,13 @@ class DraftResolution(_Decision):
     name: str
     fell_back: bool
     warning: str | None = None
+    """SGLang's warning when a named backend was rejected for drafting."""
+    rejected: str | None = None
+    """The backend that was named but cannot draft, when ``fell_back``."""
+    available: bool = True
+    """Whether ``name`` can run on ``platform`` (a fallback often cannot: flashinfer on a CPU machine)."""
+    problem: str | None = None
+    """When not ``available``: one sentence saying why, how ``name`` was chosen, and the way out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,46 +83,112 @@ class Resolution:
             "decode": self.target.decode,
             "draft": self.draft.name,
             "draft_fell_back": self.draft.fell_back,
+            "draft_available": self.draft.available,
+            "draft_problem": self.draft.problem,
             "trace": list(self.target.trace + self.draft.trace),
             "warnings": list(self.warnings),
         }
 
 
 def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
-    """Call a firstresult platform hook in pluggy's order, attributing the answer to its plugin.
+    """Ask a firstresult platform hook plugin by plugin, in pluggy's order, attributing the answer.
 
-    An implementation that raises or answers with a name the registry cannot
-    use is skipped with a warning, so one broken platform plugin cannot stop
-    resolution while the built-in answer still exists.
+    Each plugin is called by pluggy (so an implementation may take no
+    argument at all), one at a time: an implementation that raises or
+    answers with a name the registry cannot use is skipped with a warning,
+    so one broken platform plugin cannot stop resolution while the built-in
+    answer still exists.
     """
     pm = default_host().plugin_manager()
     caller = getattr(pm.hook, hook_name)
-    for impl in reversed(caller.get_hookimpls()):
+    for impl in reversed(caller.get_hookimpls()):  # pluggy calls the last registered (or tryfirst) first
+        plugin = printable(repr(impl.plugin_name))
         try:
-            answer = impl.function(platform=platform)
+            answer = call_plugin_hook(pm, hook_name, impl.plugin_name, platform=platform)
         except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not stop the server either
             logger.warning(
-                "plugin %r: hook %s(%r) raised %s; asking the next plugin",
-                impl.plugin_name,
+                "plugin %s: hook %s(%r) raised %s; asking the next plugin",
+                plugin,
                 hook_name,
                 platform,
                 describe_exception(exc),
             )
             continue
-        if answer is None:
+        if answer is None or answer is NOT_IMPLEMENTED:
             continue
         canonical = registry.canonical(answer) if isinstance(answer, str) else None
         problem = None
         if canonical is None:
-            problem = f"answered {answer!r}, which is not a registered backend"
+            problem = f"answered {printable(repr(answer))}, which is not a registered backend"
         elif draft and not registry.is_draft_capable(canonical):
             problem = f"answered {canonical!r}, which is not draft-capable"
         if problem:
-            logger.warning("plugin %r: hook %s(%r) %s; ignored", impl.plugin_name, hook_name, platform, problem)
+            logger.warning("plugin %s: hook %s(%r) %s; ignored", plugin, hook_name, platform, problem)
             continue
         assert canonical is not None
         return canonical, impl.plugin_name
     raise AttnhostError(f"no plugin answered {hook_name}({platform!r}); is the built-in plugin installed?")
+
+
+def _runs_here(registry: Registry, names: tuple[str, ...], platform: str) -> list[str]:
+    return [name for name in names if check_availability(registry.entry(name), platform).available]
+
+
+def _draft_problem(registry: Registry, name: str, how: str, platform: str) -> tuple[str, str] | None:
+    """``(reason, problem)`` when the draft backend ``name`` cannot run on ``platform``, else None.
+
+    The problem names the backend, its plugin, how it was chosen and the
+    ways out: the user may never have named it (a fallback), so "choose
+    another backend" alone would not say which or how.
+    """
+    entry = registry.entry(name)
+    availability = check_availability(entry, platform)
+    if availability.available or availability.reason is None:
+        return None
+    drafting = _runs_here(registry, registry.names("draft"), platform)
+    if drafting:
+        ways = [f"choose one that runs here with --speculative-draft-attention-backend ({', '.join(drafting)})"]
+    else:
+        runnable = _runs_here(registry, registry.names(), platform)
+        example = f"attnhost.add_draft_attention_backend_choices([{runnable[0]!r}])" if runnable else ""
+        ways = [
+            f"make one that runs here draft-capable, e.g. {example}"
+            if runnable
+            else f"install a plugin with a backend for {platform}"
+        ]
+    ways.append(f"install a plugin whose attnhost_draft_fallback hook answers for {platform}")
+    return availability.reason, (
+        f"draft attention backend {name!r} from {entry.label} ({how}) cannot run on {platform}: "
+        f"{availability.reason}; {', or '.join(ways)}"
+    )
+
+
+def _draft(
+    registry: Registry,
+    trace: list[str],
+    name: str,
+    how: str,
+    platform: str,
+    *,
+    fell_back: bool = False,
+    rejected: str | None = None,
+    warning: str | None = None,
+) -> DraftResolution:
+    unavailable = _draft_problem(registry, name, how, platform)
+    problem = None
+    if unavailable is not None:
+        reason, problem = unavailable
+        trace.append(f"draft: {name!r} cannot run on {platform}: {reason} (the way out is under warnings)")
+    return DraftResolution(
+        name=name,
+        fell_back=fell_back,
+        platform=platform,
+        trace=tuple(trace),
+        warning=warning,
+        rejected=rejected,
+        available=problem is None,
+        problem=problem,
+    )
 
 
 def resolve_attention_backends(args: ServerArgs, platform: str | None = None) -> TargetResolution:
@@ -124,7 +202,7 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
         default, plugin = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
         trace.append(
             f"no attention backend flag set: the default for platform {platform} is {default!r} "
-            f"(hook attnhost_default_attention_backend, plugin {plugin!r})"
+            f"(hook attnhost_default_attention_backend, plugin {printable(repr(plugin))})"
         )
     for half, chosen, specific in (
         ("prefill", prefill, args.prefill_attention_backend),
@@ -143,15 +221,21 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
 
 
 def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = None) -> DraftResolution:
-    """The draft worker's backend, exactly as SGLang #35932 decides it, with the reasons."""
+    """The draft worker's backend, exactly as SGLang #35932 decides it, with the reasons.
+
+    The choice is SGLang's; what attnhost adds is saying, in the result, when
+    the chosen backend cannot run here (``available``, ``problem``).
+    """
     platform = current_platform(platform)
     registry = default_host().registry()
     trace: list[str] = []
     candidate = args.speculative_draft_attention_backend
+    how = "given by --speculative-draft-attention-backend"
     if candidate is not None:
         trace.append(f"draft: {candidate!r} given by --speculative-draft-attention-backend")
     else:
         candidate = args.get_attention_backends()[0]
+        how = "inherited from the target's prefill backend"
         if candidate is not None:
             trace.append(
                 "draft: no --speculative-draft-attention-backend; "
@@ -161,30 +245,32 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
         fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
         trace.append(
             f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
-            f"{platform} (hook attnhost_draft_fallback, plugin {plugin!r})"
+            f"{platform} (hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
         )
-        return DraftResolution(name=fallback, fell_back=False, platform=platform, trace=tuple(trace))
+        how = f"the draft fallback for {platform}, as no backend was named for target or draft"
+        return _draft(registry, trace, fallback, how, platform)
     if registry.is_draft_capable(candidate):
         trace.append(f"draft: {candidate!r} is draft-capable; using it")
-        return DraftResolution(name=candidate, fell_back=False, platform=platform, trace=tuple(trace))
+        return _draft(registry, trace, candidate, how, platform)
     capable = registry.names("draft")
     fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
     trace.append(f"draft: {candidate!r} is not draft-capable (draft-capable: {', '.join(capable)})")
     trace.append(
         f"draft: falling back to {fallback!r}, the draft fallback for {platform} "
-        f"(hook attnhost_draft_fallback, plugin {plugin!r})"
+        f"(hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
     )
     warning = (
         f"draft worker only supports attention backends in [{', '.join(capable)}], but got {candidate!r}; "
         f"falling back to {fallback!r} on {platform}"
     )
     logger.warning("%s", warning)
-    return DraftResolution(name=fallback, fell_back=True, platform=platform, trace=tuple(trace), warning=warning)
+    how = f"the draft fallback for {platform}, because {candidate!r}, {how}, is not draft-capable"
+    return _draft(registry, trace, fallback, how, platform, fell_back=True, rejected=candidate, warning=warning)
 
 
 def resolve(args: ServerArgs, platform: str | None = None) -> Resolution:
     """Resolve target and draft together, for the CLI and for reports."""
     target = resolve_attention_backends(args, platform)
     draft = resolve_draft_attention_backend(args, target.platform)
-    warnings = (draft.warning,) if draft.warning else ()
+    warnings = tuple(text for text in (draft.warning, draft.problem) if text)
     return Resolution(target, draft, warnings)

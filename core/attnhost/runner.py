@@ -9,17 +9,19 @@ retrofit holds here by construction.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from attnhost.availability import check_availability
-from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
 from attnhost.context import ForwardContext, dispatch_table
-from attnhost.errors import BackendUnavailableError, describe_exception
+from attnhost.errors import BackendUnavailableError, describe_exception, printable_record
 from attnhost.forward_batch import ForwardBatch, KVPool
 from attnhost.forward_mode import ForwardMode
+from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
 from attnhost.platform import current_platform
@@ -35,6 +37,30 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
 __all__ = ["ModelRunner"]
+
+logger = logging.getLogger(__name__)
+logger.addFilter(printable_record)  # plugin text in a log line is escaped
+
+_SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"ModelRunner: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float_dtype(dtype: object) -> torch.dtype:
+    """The runner's dtype: a floating-point torch dtype (an integer KV cache would make attention all zeros)."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"ModelRunner: dtype {dtype!r} is not a torch dtype; use e.g. torch.float32 or 'bfloat16'")
+    if not resolved.is_floating_point:
+        raise ValueError(
+            f"ModelRunner: dtype {str(resolved).removeprefix('torch.')} is not a floating-point dtype; "
+            "attention and its KV cache need one (float32, bfloat16, float16)"
+        )
+    return resolved
 
 
 class ModelRunner:
@@ -64,15 +90,26 @@ class ModelRunner:
     ) -> None:
         if not isinstance(args, ServerArgs):
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
+        sizes = (num_layers, num_heads, num_kv_heads, head_dim, max_requests, max_context_len)
+        for name, value in zip(_SIZES, sizes, strict=True):
+            _check_size(name, value)
+        if num_slots is None:
+            num_slots = max_requests * max_context_len // 4
+            if num_slots == 0:
+                raise ValueError(
+                    f"ModelRunner: max_requests={max_requests} and max_context_len={max_context_len} leave no "
+                    "KV slots (the default num_slots is max_requests * max_context_len // 4); pass num_slots"
+                )
+        _check_size("num_slots", num_slots)
         self.args = args
         self.is_draft = is_draft
         self.platform = current_platform(platform)
-        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.dtype = _float_dtype(dtype)
         self.device = torch.device(device)
         self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
         self.kv_pool = KVPool(
             num_layers,
-            num_slots if num_slots is not None else max_requests * max_context_len // 4,
+            num_slots,
             num_kv_heads,
             head_dim,
             max_requests=max_requests,
@@ -89,7 +126,11 @@ class ModelRunner:
             prefill, decode = self.resolution.prefill, self.resolution.decode
         self.prefill_attention_backend_str = prefill
         self.decode_attention_backend_str = decode
+        if isinstance(self.resolution, DraftResolution) and self.resolution.problem is not None:
+            # Said before the generic "unavailable": the user may never have named this backend (a fallback).
+            raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
         self.attn_backend = self._build_backend(prefill, decode)
+        self._log_choice(prefill, decode)
         self.attn_backend.prefill_attention_backend_str = prefill
         self.attn_backend.decode_attention_backend_str = decode
         self._stamps: tuple[str | None, str | None] = (prefill, decode)
@@ -117,26 +158,38 @@ class ModelRunner:
 
     def _build_one(self, name: str) -> AttentionBackend:
         entry = get_registry().entry(name)
-        where = f"{self.role} runner: attention backend {name!r} (from plugin {entry.plugin!r})"
+        where = f"{self.role} runner: attention backend {name!r} from {entry.label}"
         availability = check_availability(entry, self.platform)
         if not availability.available:
             raise BackendUnavailableError(
                 f"{where} is unavailable: {availability.reason}; choose another backend (see `attnhost list`)"
             )
+        fix = f"fix or reinstall {entry.distribution}" if entry.distribution else "fix the plugin"
         try:
-            factory = entry.spec.load()
-        except Exception as exc:
+            with plugin_output():  # importing plugin code: stdout is not its to write
+                factory = entry.spec.load()
+        except (Exception, SystemExit) as exc:
             raise BackendUnavailableError(
-                f"{where} could not be loaded: {describe_exception(exc)}; reinstall "
-                f"{entry.distribution or 'the plugin'} or choose another backend"
+                f"{where} could not be loaded: {describe_exception(exc)}; {fix}, or choose another backend"
             ) from exc
-        backend = factory(self)
-        if not isinstance(backend, AttentionBackend):
-            raise BackendUnavailableError(
-                f"{where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
-                f"report this to the maintainers of {entry.distribution or entry.plugin}"
+        owner = entry.distribution or f"plugin {entry.plugin!r}"
+        return build_backend(factory, self, where=where, way_out=f"{fix}, or choose another backend", owner=owner)
+
+    def _log_choice(self, prefill: str, decode: str) -> None:
+        """One INFO line: which backend this runner built, from which plugin and distribution, and why."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        registry = get_registry()
+        if prefill == decode:
+            built = f"{prefill!r} from {registry.entry(prefill).label}"
+        else:
+            built = (
+                f"prefill {prefill!r} from {registry.entry(prefill).label}, "
+                f"decode {decode!r} from {registry.entry(decode).label}"
             )
-        return backend
+        logger.info(
+            "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
+        )
 
     def _dispatch_names(self) -> tuple[str, ...]:
         default_prefill, default_decode = self.args.get_attention_backends()

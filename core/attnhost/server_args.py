@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 from attnhost.errors import UnknownBackendError
-from attnhost.host import default_host, get_registry
+from attnhost.host import default_host
 from attnhost.registry import Registry
 
 __all__ = ["SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
@@ -43,7 +43,7 @@ class ServerArgs:
     speculative_attention_mode: Literal["prefill", "decode"] = "prefill"
 
     def __post_init__(self) -> None:
-        registry = default_host().freeze()
+        registry = default_host().freeze(by="the first ServerArgs")
         for name, _ in _BACKEND_FIELDS:
             value = getattr(self, name)
             if value is not None:
@@ -63,11 +63,23 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add SGLang's attention flags; choices come from every installed plugin."""
-        registry = get_registry()
+        """Add SGLang's attention flags; choices come from every installed plugin.
+
+        The parser holds a copy of the choices, so building it freezes the
+        registry: a registration after it raises ``RegistryFrozenError``
+        instead of leaving the parser to reject the new name.
+        """
+        registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
         names = registry.names()
+        offered = {"target": _offer(registry, names), "draft": _offer(registry, registry.names("draft"))}
         group = parser.add_argument_group("attention backends")
         for name, help_text in _BACKEND_FIELDS:
+            if name == "speculative_draft_attention_backend":
+                # Any known name is accepted (one that is not draft-capable falls back, with a warning, as
+                # in SGLang); the help offers the ones a draft worker will actually use.
+                choices = f"; draft-capable: {offered['draft'] or 'none'}"
+            else:
+                choices = f"; choices: {offered['target']}"
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
@@ -75,7 +87,7 @@ class ServerArgs:
                 choices=names,
                 default=None,
                 metavar="NAME",
-                help=help_text + "; choices: %(choices)s",
+                help=(help_text + choices).replace("%", "%%"),
             )
         group.add_argument(
             "--speculative-attention-mode",
@@ -90,6 +102,14 @@ class ServerArgs:
         """Build from a namespace parsed with a parser that ``add_cli_args`` set up."""
         values = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
         return cls(**values)
+
+
+def _offer(registry: Registry, names: tuple[str, ...]) -> str:
+    """``flashinfer, dsa (alias nsa), ...``: the names a flag accepts, each with its aliases."""
+    aliases: dict[str, list[str]] = {}
+    for alias, canonical in registry.aliases().items():
+        aliases.setdefault(canonical, []).append(alias)
+    return ", ".join(f"{name} (alias {', '.join(aliases[name])})" if name in aliases else name for name in names)
 
 
 def _canonical(registry: Registry, value: object, field_name: str) -> str:

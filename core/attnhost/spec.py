@@ -12,10 +12,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
+from attnhost.errors import safe_repr
+
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend, AttentionRunner
 
-__all__ = ["BackendFactory", "BackendSpec", "check_backend_name", "import_object"]
+__all__ = ["MAX_NAME_LENGTH", "BackendFactory", "BackendSpec", "check_backend_name", "import_object"]
+
+MAX_NAME_LENGTH = 64
+"""The longest backend name or alias: SGLang's longest is under 30, and a name must fit a table and a flag."""
 
 BackendFactory = Callable[["AttentionRunner"], "AttentionBackend"]
 """Called once per model runner as ``factory(runner)``; returns that runner's own backend."""
@@ -39,7 +44,11 @@ def check_backend_name(name: object, what: str = "backend name") -> str:
     punctuation would make them untypable or ambiguous.
     """
     if not isinstance(name, str):
-        raise ValueError(f"{what} must be a string, not {type(name).__name__} {name!r}")
+        raise ValueError(f"{what} must be a string, not {type(name).__name__} {safe_repr(name)}")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"invalid {what} {safe_repr(name)}: {len(name)} characters, more than the {MAX_NAME_LENGTH} allowed"
+        )
     if not _is_backend_name(name):
         raise ValueError(
             f"invalid {what} {name!r}: use letters, digits, '_', '-' or '.', starting with a letter or digit"

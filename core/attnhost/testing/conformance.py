@@ -26,7 +26,8 @@ A failure names the property that broke and by how much, e.g.
 Class attributes an author may override: ``backend_name`` (required),
 ``expect_draft`` (assert the backend is / is not draft-capable),
 ``platform`` (resolution platform, default: detected), ``device``,
-``float32_atol``/``bfloat16_atol``, ``head_dim``, ``seed`` and
+``float32_atol``/``bfloat16_atol``/``float16_atol``, ``head_dim`` (unless the
+backend's declared ``capabilities.head_dims`` exclude it), ``seed`` and
 ``check_discovery_imports``.
 """
 
@@ -46,8 +47,9 @@ import pytest
 import torch
 
 from attnhost.availability import check_availability
-from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.backend import FLOAT_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities, capabilities_of
 from attnhost.context import dispatch_attention_backend, get_attn_backend
+from attnhost.discovery import PluginInfo
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
@@ -56,6 +58,7 @@ from attnhost.registry import BackendEntry
 from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
+from attnhost.testing.cases import HEAD_LAYOUTS
 from attnhost.testing.reference import reference_attention
 
 __all__ = ["BackendConformance"]
@@ -135,6 +138,8 @@ class BackendConformance:
     """Max abs error against the float64 reference for float32 inputs."""
     bfloat16_atol: ClassVar[float] = 2e-2
     """Max abs error for bfloat16 inputs (the reference sees the same bf16-rounded inputs)."""
+    float16_atol: ClassVar[float] = 5e-3
+    """Max abs error for float16 inputs (checked when the backend's capabilities declare float16)."""
     head_dim: ClassVar[int] = 32
     seed: ClassVar[int] = 0
     check_discovery_imports: ClassVar[bool] = True
@@ -158,10 +163,7 @@ class BackendConformance:
         registry = get_registry()
         canonical = registry.canonical(attnhost_backend_name)
         if canonical is None:
-            _fail(
-                f"spec: {registry.unknown_message(attnhost_backend_name)}; is the plugin installed "
-                "(`attnhost list`) and did it load (`attnhost plugins`)?"
-            )
+            _fail(_missing_backend_message(attnhost_backend_name))
         self.name = canonical
         self.entry = registry.entry(canonical)
         # A private generator: the kit must not move torch's global RNG either.
@@ -204,7 +206,7 @@ class BackendConformance:
                 num_layers=2,
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
-                head_dim=self.head_dim,
+                head_dim=self._head_dim(),
                 max_requests=8,
                 max_context_len=256,
                 num_slots=1024,
@@ -214,6 +216,27 @@ class BackendConformance:
             )
         except Exception as exc:
             raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
+
+    def _capabilities(self) -> BackendCapabilities:
+        try:
+            return capabilities_of(self.entry.spec.load())
+        except Exception:  # test_spec_factory_importable_and_available reports an unloadable factory
+            return BackendCapabilities()
+
+    def _head_dim(self) -> int:
+        """``head_dim``, unless the backend declares head dims without it: then the first it declares."""
+        declared = self._capabilities().head_dims
+        return self.head_dim if not declared or self.head_dim in declared else declared[0]
+
+    def _require_dtype(self, dtype: torch.dtype) -> None:
+        declared = self._capabilities().dtypes
+        if _dtype_name(dtype) not in declared:
+            pytest.skip(
+                f"backend {self.name!r} does not declare {_dtype_name(dtype)} (capabilities.dtypes = {declared})"
+            )
+
+    def _atol(self, dtype: torch.dtype) -> float:
+        return {torch.bfloat16: self.bfloat16_atol, torch.float16: self.float16_atol}.get(dtype, self.float32_atol)
 
     def _randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(*shape, generator=self._generator).to(device=self.device, dtype=dtype)
@@ -297,15 +320,28 @@ class BackendConformance:
         k_buffer: torch.Tensor | None = None,
         v_buffer: torch.Tensor | None = None,
     ) -> None:
+        problem = self._output_error(run, batch, k_buffer=k_buffer, v_buffer=v_buffer)
+        if problem is not None:
+            _fail(f"{what}: {problem}")
+
+    def _output_error(
+        self,
+        run: _LayerRun,
+        batch: ForwardBatch,
+        *,
+        k_buffer: torch.Tensor | None = None,
+        v_buffer: torch.Tensor | None = None,
+    ) -> str | None:
+        """What is wrong with the layer's output compared with the reference over these buffers, if anything."""
         layer, out, q = run.layer, run.out, run.q
         expected_shape = (batch.num_new_tokens, layer.num_heads, layer.head_dim)
         if tuple(out.shape) != expected_shape:
-            _fail(
-                f"{what}: output shape {tuple(out.shape)}, expected {expected_shape} "
+            return (
+                f"output shape {tuple(out.shape)}, expected {expected_shape} "
                 f"([tokens, num_heads, head_dim], layer {layer.layer_id})"
             )
         if out.dtype != q.dtype:
-            _fail(f"{what}: output dtype {_dtype_name(out.dtype)}, expected the query's {_dtype_name(q.dtype)}")
+            return f"output dtype {_dtype_name(out.dtype)}, expected the query's {_dtype_name(q.dtype)}"
         ref = reference_attention(
             q,
             layer,
@@ -314,16 +350,17 @@ class BackendConformance:
             v_buffer=run.expected_v if v_buffer is None else v_buffer,
         )
         got = out.detach().to("cpu", torch.float64)
-        atol = self.bfloat16_atol if q.dtype == torch.bfloat16 else self.float32_atol
+        atol = self._atol(q.dtype)
         diff = (got - ref).abs()
         finite = torch.isfinite(got)
         if not bool(finite.all()):
             index = int((~finite).flatten().nonzero()[0])
-            _fail(f"{what}: output is not finite ({self._where(index, layer, batch, q.dtype)})")
+            return f"output is not finite ({self._where(index, layer, batch, q.dtype)})"
         error = float(diff.max()) if diff.numel() else 0.0
         if error > atol:
             index = int(diff.flatten().argmax())
-            _fail(f"{what}: max abs error {error:.1e} exceeds {atol:.0e} ({self._where(index, layer, batch, q.dtype)})")
+            return f"max abs error {error:.1e} exceeds {atol:.0e} ({self._where(index, layer, batch, q.dtype)})"
+        return None
 
     @staticmethod
     def _where(flat_index: int, layer: AttentionLayer, batch: ForwardBatch, dtype: torch.dtype) -> str:
@@ -366,6 +403,12 @@ class BackendConformance:
             )
         if len(lines) > 1:
             _fail(f"spec: the description of {self.name!r} spans {len(lines)} lines; keep it to one")
+        inherited = _inherited_docstring(self.entry)
+        if inherited is not None and lines[0].strip() == inherited[1]:
+            _fail(
+                f"spec: backend {self.name!r} is described by the docstring of {inherited[0]} because its class "
+                "has none of its own; give the shorthand class a one-line docstring saying what the backend is"
+            )
         if not spec.implemented:
             _fail(f"spec: backend {self.name!r} is declared only (no factory); give its BackendSpec a factory=")
 
@@ -508,7 +551,9 @@ class BackendConformance:
     def test_extend_with_cached_prefix(self) -> None:
         runner = self._runner()
         r0, r1 = runner.new_request(), runner.new_request()
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 20), (r1, 0, 9)], "extend without prefix")
+        self._forward(
+            runner, ForwardMode.EXTEND, [(r0, 0, 20), (r1, 0, 9)], "extend with cached prefix: the prefill before it"
+        )
         self._forward(runner, ForwardMode.EXTEND, [(r0, 20, 11), (r1, 9, 5)], "extend with cached prefix")
         fragmented = self._fragmented_prefix(runner, 17)
         self._forward(
@@ -523,7 +568,10 @@ class BackendConformance:
         requests = [runner.new_request() for _ in range(3)]
         lengths = [13, 1, 40]
         self._forward(
-            runner, ForwardMode.EXTEND, [(r, 0, n) for r, n in zip(requests, lengths, strict=True)], "prefill"
+            runner,
+            ForwardMode.EXTEND,
+            [(r, 0, n) for r, n in zip(requests, lengths, strict=True)],
+            "decode: the prefill before it",
         )
         for step in range(3):  # each step interleaves the requests' slots, so later reads are gathers
             batch = [(r, n + step, 1) for r, n in zip(requests, lengths, strict=True)]
@@ -533,7 +581,12 @@ class BackendConformance:
     def test_batch_of_requests_with_different_lengths(self) -> None:
         runner = self._runner()
         r = [runner.new_request() for _ in range(5)]
-        self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 30), (r[1], 0, 3), (r[4], 0, 64)], "prefill")
+        self._forward(
+            runner,
+            ForwardMode.EXTEND,
+            [(r[0], 0, 30), (r[1], 0, 3), (r[4], 0, 64)],
+            "batch of different lengths: the prefill before it",
+        )
         self._forward(
             runner,
             ForwardMode.MIXED,
@@ -547,9 +600,7 @@ class BackendConformance:
             "target-verify batch (draft tokens after a prefix)",
         )
 
-    @pytest.mark.parametrize(
-        ("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)], ids=["mha-4-4", "gqa-8-2", "mqa-8-1"]
-    )
+    @pytest.mark.parametrize(("num_heads", "num_kv_heads"), list(HEAD_LAYOUTS.values()), ids=list(HEAD_LAYOUTS))
     def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
         runner = self._runner(num_heads=num_heads, num_kv_heads=num_kv_heads)
         r0, r1 = runner.new_request(), runner.new_request()
@@ -559,11 +610,42 @@ class BackendConformance:
         self._forward(runner, ForwardMode.DECODE, [(r0, 24, 1), (r1, 8, 1)], f"{label}: decode")
 
     def test_bfloat16(self) -> None:
+        self._require_dtype(torch.bfloat16)
         runner = self._runner(dtype=torch.bfloat16)
         r0, r1 = runner.new_request(), runner.new_request()
         self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 24), (r1, 0, 7)], "bfloat16 extend")
         self._forward(runner, ForwardMode.EXTEND, [(r0, 24, 6), (r1, 7, 3)], "bfloat16 extend with cached prefix")
         self._forward(runner, ForwardMode.DECODE, [(r0, 30, 1), (r1, 10, 1)], "bfloat16 decode")
+
+    def test_declared_capabilities_are_valid_and_hold(self) -> None:
+        """What a backend declares, engines act on (dtypes, head dims, CUDA graphs), so the kit checks it."""
+        try:
+            factory = self.entry.spec.load()
+        except Exception as exc:
+            _fail(f"capabilities: the factory of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}")
+        declared = getattr(factory, "capabilities", None)
+        if declared is not None and not isinstance(declared, BackendCapabilities):
+            _fail(
+                f"capabilities: {self.name!r} declares capabilities = {declared!r}, which is not an "
+                "attnhost.BackendCapabilities; engines would ignore it"
+            )
+        capabilities = capabilities_of(factory)
+        for name in capabilities.dtypes:
+            dtype = getattr(torch, name, None)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                _fail(
+                    f"capabilities: {self.name!r} declares dtype {name!r}, which is not a floating torch dtype "
+                    f"(use names such as {', '.join(FLOAT_DTYPES)})"
+                )
+        head_dim = self._head_dim()
+        for name in capabilities.dtypes:
+            dtype = getattr(torch, name)
+            runner = self._runner(dtype=dtype)
+            r0, r1 = runner.new_request(), runner.new_request()
+            label = f"capabilities: declared {name}, head dim {head_dim}"
+            self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 21), (r1, 0, 4)], f"{label}: extend")
+            self._forward(runner, ForwardMode.EXTEND, [(r0, 21, 5), (r1, 4, 3)], f"{label}: extend with cached prefix")
+            self._forward(runner, ForwardMode.DECODE, [(r0, 26, 1), (r1, 7, 1)], f"{label}: decode")
 
     # -- the cache --------------------------------------------------------------------
 
@@ -622,10 +704,14 @@ class BackendConformance:
                     ),
                     "",
                 )
+                went = _where_it_went(pool, len(runner.layers), new[token].to(pool.dtype), kind)
+                went_text = f"; that token's {kind} went to {went}" if went else f"; that token's {kind} is nowhere"
+                if went and all(place.startswith("layer 0 ") for place in went.split(" and ")) and layer_id != 0:
+                    went_text += f" (layer {layer_id}'s K/V was written into layer 0: pass layer.layer_id to set_kv)"
                 _fail(
                     f"{what}: layer {layer_id} slot {slot} (out_cache_loc of request {request}, token {within}) "
-                    f"does not hold that token's new {kind} (max abs diff {change:.1e}){holder}; write with "
-                    "kv_pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)"
+                    f"does not hold that token's new {kind} (max abs diff {change:.1e}){holder}{went_text}; write "
+                    "with kv_pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)"
                 )
             _fail(
                 f"{what}: layer {layer_id} slot {slot}, which is not in out_cache_loc, was overwritten in {kind} "
@@ -641,7 +727,7 @@ class BackendConformance:
         runner = self._runner()
         pool = runner.kv_pool
         request = runner.new_request()
-        self._forward(runner, ForwardMode.EXTEND, [(request, 0, 12)], "prefill", check=False)
+        self._forward(runner, ForwardMode.EXTEND, [(request, 0, 12)], "save_kv_cache=False: the prefill", check=False)
         batch = self._prepare(runner, ForwardMode.EXTEND, [(request, 12, 4)], "save_kv_cache=False")
         layer = runner.layers[0]
         q = self._randn(4, layer.num_heads, layer.head_dim, dtype=runner.dtype)
@@ -654,7 +740,20 @@ class BackendConformance:
         if not (torch.equal(pool.k_buffer(0), snapshot[0]) and torch.equal(pool.v_buffer(0), snapshot[1])):
             _fail(f"{what}: the backend wrote K/V into the cache although save_kv_cache=False")
         run = _LayerRun(layer, q, k, v, out, snapshot[0], snapshot[1])
-        self._check_output(f"{what} (attention must read K/V from the cache, not the k/v arguments)", run, batch)
+        problem = self._output_error(run, batch)
+        if problem is None:
+            return
+        # Blame the k/v arguments only if the output is what attending over them would give.
+        from_arguments_k, from_arguments_v = snapshot[0].clone(), snapshot[1].clone()
+        from_arguments_k[batch.out_cache_loc] = (k * 100).to(pool.dtype)
+        from_arguments_v[batch.out_cache_loc] = (v * 100).to(pool.dtype)
+        if self._output_error(run, batch, k_buffer=from_arguments_k, v_buffer=from_arguments_v) is None:
+            _fail(
+                f"{what}: the output attends over the k/v arguments (passed scaled by 100 here), not over the "
+                "K/V already in the cache; with save_kv_cache=False the caller has stored them: read every key "
+                "and value through kv_pool.req_to_token"
+            )
+        _fail(f"{what}: {problem}")
 
     def test_idle_batch_gives_an_empty_output(self) -> None:
         runner = self._runner()
@@ -778,3 +877,50 @@ def _environment() -> dict[str, str]:
 def _factory_module(entry: BackendEntry, backend_class: type) -> ModuleType | None:
     name = entry.spec.factory_module or backend_class.__module__
     return sys.modules.get(name)
+
+
+def _where_it_went(pool: Any, num_layers: int, value: torch.Tensor, kind: str) -> str:
+    """``layer 0 slot 12``: every place in the cache that holds ``value`` (one token's new K or V)."""
+    places = []
+    for layer_id in range(num_layers):
+        buffer = pool.k_buffer(layer_id) if kind == "K" else pool.v_buffer(layer_id)
+        slots = (buffer == value).flatten(1).all(dim=1).nonzero().flatten().tolist()
+        places += [f"layer {layer_id} slot {slot}" for slot in slots[:3]]
+    return " and ".join(places)
+
+
+def _inherited_docstring(entry: BackendEntry) -> tuple[str, str] | None:
+    """``(base class, first line)`` when a class factory has no docstring and so shows a base class's."""
+    try:
+        factory = entry.spec.load()
+    except Exception:  # test_spec_factory_importable_and_available reports it
+        return None
+    if not isinstance(factory, type) or vars(factory).get("__doc__"):
+        return None
+    for base in factory.__mro__[1:]:
+        doc = vars(base).get("__doc__")
+        if isinstance(doc, str) and doc.strip():
+            return base.__qualname__, doc.strip().splitlines()[0].strip()
+    return None
+
+
+def _missing_backend_message(name: str) -> str:
+    """Why ``name`` is not registered, naming the plugin that failed to load when one did."""
+    registry = get_registry()
+    failed = [p for p in default_host().plugins() if p.status.value == "failed"]
+    unknown = registry.unknown_message(name)
+    if not failed:
+        return f"spec: {unknown}; is the plugin installed (`attnhost list`) and did it load (`attnhost plugins`)?"
+    key = name.lower().replace("-", "_")
+
+    def related(plugin: PluginInfo) -> bool:
+        names = [plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")]
+        return any(other and (key in other or other in key) for other in names)
+
+    likely = [p for p in failed if related(p)]
+    causes = "; ".join(f"{p.origin} failed to load: {p.error}" for p in likely or failed)
+    if likely:
+        return (
+            f"spec: backend {name!r} is not registered because {causes}; fix the plugin, then check `attnhost plugins`"
+        )
+    return f"spec: {unknown}; perhaps because {causes}; fix the plugin, then check `attnhost plugins`"

@@ -9,15 +9,21 @@ the option names a backend.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+
+from attnhost.testing.cases import HEAD_LAYOUTS
 
 __all__ = ["OPTION", "SUITE_PATH"]
 
 OPTION = "--attnhost-backend"
 SUITE_PATH = Path(__file__).with_name("suite.py")
 """The module holding the suite class this option runs (``TestBackendConformance``)."""
+SUITE_CLASS = "TestBackendConformance"
+_NAMES = pytest.StashKey[list[str]]()
+_PARAMS = re.compile(r"\[(.*)\]$")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,14 +46,51 @@ def backend_names(config: pytest.Config) -> list[str]:
     return list(dict.fromkeys(name for name in names if name))
 
 
+def _suite_node(arg: str) -> str | None:
+    """The part after the path when ``arg`` is a node id of the suite, as a failing run prints it.
+
+    The suite lives in site-packages, outside the project's rootdir, so
+    pytest prints its node ids with an empty or a ``../``-relative path
+    (``::TestBackendConformance::test_decode[mine]``).
+    """
+    path, sep, rest = arg.partition("::")
+    if not sep or not rest.startswith(SUITE_CLASS):
+        return None
+    if path and Path(path).resolve() != SUITE_PATH.resolve():
+        return None
+    return rest
+
+
+def _name_from_params(params: str) -> str:
+    """The backend's part of a parametrized id: ``mine-gqa-8-2`` -> ``mine`` (the kit's own case ids removed)."""
+    for case in HEAD_LAYOUTS:
+        if params.endswith("-" + case):
+            return params[: -len(case) - 1]
+        if params.startswith(case + "-"):
+            return params[len(case) + 1 :]
+    return params
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    if not backend_names(config):
-        return
     suite = str(SUITE_PATH)
+    pasted: list[str] = []
     if config.args_source is pytest.Config.ArgsSource.ARGS:
-        # Paths given explicitly: run them *and* the suite.
-        if suite not in config.args:
+        # Node ids a failing run printed, pasted back: point them at the suite and take the backend from the id.
+        for i, arg in enumerate(config.args):
+            rest = _suite_node(arg)
+            if rest is not None:
+                config.args[i] = f"{suite}::{rest}"
+                match = _PARAMS.search(rest)
+                if match:
+                    pasted.append(_name_from_params(match.group(1)))
+    names = list(dict.fromkeys([*backend_names(config), *pasted]))
+    config.stash[_NAMES] = names
+    if not names:
+        return
+    if config.args_source is pytest.Config.ArgsSource.ARGS:
+        # Paths given explicitly: run them *and* the suite (unless they already name the suite's tests).
+        if not pasted and suite not in config.args:
             config.args.append(suite)
     else:
         # No paths given: testpaths or the current directory would run the project's own tests;
@@ -57,5 +100,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if getattr(metafunc.cls, "attnhost_cli_suite", False):
-        names = backend_names(metafunc.config)
-        metafunc.parametrize("attnhost_backend_name", names, ids=names)
+        names = metafunc.config.stash.get(_NAMES, [])
+        if names:
+            metafunc.parametrize("attnhost_backend_name", names, ids=names)

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangForwardMode
 from torch import Tensor
 
-from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
+from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
@@ -133,18 +133,13 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.kv_cache_dtype = self.token_to_kv_pool.dtype
         self._kv = SGLangKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
         view = _RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
-        try:
-            backend = factory(view)
-        except (Exception, SystemExit) as exc:
-            raise BackendUnavailableError(
-                f"{self._where}: its factory raised {type(exc).__name__}: {exc}; fix or reinstall the plugin, "
-                "or choose another --attention-backend"
-            ) from exc
-        if not isinstance(backend, AttentionBackend):
-            raise BackendUnavailableError(
-                f"{self._where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
-                "report this to the plugin's maintainers"
-            )
+        backend = build_backend(
+            factory,
+            view,
+            where=self._where,
+            way_out="fix or reinstall the plugin, or choose another --attention-backend",
+            owner=origin,
+        )
         self.attnhost_backend = backend
         self._layers: dict[int, AttentionLayer] = {}
         self._sglang_batch: SGLangBatch | None = None

@@ -1,0 +1,103 @@
+"""Text laid out for the terminal it lands on: tables that fit its width, notes wrapped, plugin text defused.
+
+Operators read ``attnhost list`` in an 80-column SSH session as often as in
+a wide desktop terminal, and a table that wraps is unreadable. So every
+table is fitted: the columns named flexible give up width (their cells end
+in ``...``) until the row fits, and the last column wraps under itself
+instead of running off the edge. Every cell passes through
+:func:`attnhost.errors.printable` first, because names, versions,
+descriptions and error texts come from plugins, and a plugin's metadata must
+not be able to clear the screen.
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from collections.abc import Sequence
+
+from attnhost.errors import printable
+
+__all__ = ["ELLIPSIS", "fit_table", "shorten", "terminal_width", "wrap"]
+
+ELLIPSIS = "..."
+MIN_LAST = 24
+"""A wrapping last column keeps at least this many characters per line before other columns shrink."""
+MIN_WIDTH = 40
+"""Narrower than this, wrapping every line would help no one: lay out for this width instead."""
+
+
+def terminal_width() -> int:
+    """The columns of the terminal (``COLUMNS`` wins; 80 when the output is not a terminal)."""
+    return max(MIN_WIDTH, shutil.get_terminal_size().columns)
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, ending in ``...`` when it was cut."""
+    if len(text) <= width:
+        return text
+    if width <= len(ELLIPSIS):
+        return text[:width]
+    return text[: width - len(ELLIPSIS)] + ELLIPSIS
+
+
+def wrap(text: str, width: int, *, indent: str = "", hanging: str | None = None) -> list[str]:
+    """One paragraph wrapped to ``width``; continuation lines get ``hanging`` (default: ``indent``)."""
+    lines = textwrap.wrap(
+        printable(text),
+        width=max(width, len(indent) + 10),
+        initial_indent=indent,
+        subsequent_indent=indent if hanging is None else hanging,
+        break_on_hyphens=False,
+    )
+    return lines or [indent.rstrip()]
+
+
+def fit_table(
+    rows: Sequence[Sequence[str]],
+    width: int | None = None,
+    *,
+    flexible: Sequence[int] = (),
+    wrap_last: bool = True,
+) -> list[str]:
+    """The rows as aligned lines no wider than ``width`` (``None``: unbounded, the ``--wide`` layout).
+
+    Columns in ``flexible`` shrink, widest first, down to their header's
+    width; then the last column, if ``wrap_last``, wraps under itself. What
+    still does not fit is cut, so no line is ever wider than ``width``.
+    """
+    table = [[printable(cell) for cell in row] for row in rows]
+    columns = len(table[0])
+    widths = [max(len(row[i]) for row in table) for i in range(columns)]
+    gap = 2
+    if width is not None:
+        floor = {i: max(len(table[0][i]), len(ELLIPSIS) + 1) for i in flexible}
+
+        def needed() -> int:
+            last = min(widths[-1], MIN_LAST) if wrap_last else widths[-1]
+            return sum(widths[:-1]) + last + gap * (columns - 1)
+
+        while needed() > width:
+            shrinkable = [i for i in flexible if widths[i] > floor[i]]
+            if not shrinkable:
+                break
+            widest = max(shrinkable, key=lambda i: widths[i])
+            widths[widest] -= 1
+    lead = sum(widths[:-1]) + gap * (columns - 1)
+    last_width = widths[-1] if width is None else max(width - lead, 10)
+    lines: list[str] = []
+    for row in table:
+        cells = [shorten(cell, widths[i]).ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        prefix = (" " * gap).join(cells) + (" " * gap if cells else "")
+        last = row[-1]
+        if width is None or len(last) <= last_width:
+            lines.append((prefix + last).rstrip())
+        elif wrap_last:
+            pieces = textwrap.wrap(last, width=last_width, break_on_hyphens=False) or [""]
+            lines.append((prefix + pieces[0]).rstrip())
+            lines.extend((" " * lead + piece).rstrip() for piece in pieces[1:])
+        else:
+            lines.append((prefix + shorten(last, last_width)).rstrip())
+    if width is not None:
+        lines = [shorten(line, width) for line in lines]
+    return lines
