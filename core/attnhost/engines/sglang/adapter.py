@@ -28,7 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangFo
 from torch import Tensor
 
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
-from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
+from attnhost.errors import UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 

@@ -62,7 +62,7 @@ from vllm.v1.kv_cache_interface import (
     is_quantized_kv_cache,
 )
 
-from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, capabilities_of
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, build_backend, capabilities_of
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.vllm.names import BACKENDS_MODULE
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
@@ -229,7 +229,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
         self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
-        default_host().freeze()  # a runner exists: from now on the registry must not move
+        default_host().freeze(by="a vLLM attention metadata builder")
         empty = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
         runner = _RunnerView(
             self.device,
@@ -237,18 +237,13 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             bool(kv_cache_spec.is_draft),
             VLLMKVCache(self.device, self.dtype, empty, self.views),
         )
-        try:
-            backend = identity.factory(runner)
-        except (Exception, SystemExit) as exc:
-            raise BackendUnavailableError(
-                f"{identity.where}: its factory raised {type(exc).__name__}: {exc}; fix or reinstall the plugin, "
-                "or choose another --attention-backend"
-            ) from exc
-        if not isinstance(backend, AttentionBackend):
-            raise BackendUnavailableError(
-                f"{identity.where}: its factory returned {type(backend).__name__}, not an attnhost.AttentionBackend; "
-                "report this to the plugin's maintainers"
-            )
+        backend = build_backend(
+            identity.factory,
+            runner,
+            where=identity.where,
+            way_out="fix or reinstall the plugin, or choose another --attention-backend",
+            owner=identity.origin,
+        )
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = identity.attnhost_name
         self.attnhost_backend = backend
 
