@@ -9,7 +9,6 @@ status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
@@ -256,11 +255,6 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     The ``attnhost`` logger's records go to ``err`` as ``attnhost: warning: ...``
     lines while it runs; the logger is left as it was found afterwards.
     """
-    is_program = argv is None
-    if is_program:
-        # A command lives for a moment and frees nothing worth collecting: skip the cyclic collector's
-        # passes while plugins load (in-process callers keep theirs).
-        gc.disable()
     argv = list(sys.argv[1:] if argv is None else argv)
     out = out or sys.stdout
     err = err or sys.stderr
@@ -277,10 +271,6 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
-        if is_program:
-            # and let the interpreter's collection at exit skip everything we loaded: output is flushed
-            # and the cache file was written long before
-            gc.freeze()
 
 
 def _run(argv: list[str], out: TextIO, err: TextIO) -> int:

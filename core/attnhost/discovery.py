@@ -27,6 +27,7 @@ import pluggy
 from attnhost.entry_points import EntryPointRecord, normalize_name
 from attnhost.errors import (
     PluginLoadInterrupted,
+    PluginProblem,
     describe_exception,
     one_line,
     plugin_label,
@@ -44,7 +45,6 @@ __all__ = [
     "SLOW_IMPORT_WARNING_S",
     "GuardedPluginManager",
     "PluginInfo",
-    "PluginProblem",
     "PluginStatus",
     "ShorthandPlugin",
     "load_entry_points",
@@ -103,10 +103,6 @@ class PluginInfo:
         out: dict[str, Any] = {name: getattr(self, name) for name in fields}
         out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
         return out
-
-
-class PluginProblem(Exception):
-    """Why a plugin object cannot be registered; the message completes "plugin X ...: "."""
 
 
 class ShorthandPlugin:

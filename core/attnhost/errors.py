@@ -20,6 +20,7 @@ __all__ = [
     "PlatformError",
     "PluginLoadError",
     "PluginLoadInterrupted",
+    "PluginProblem",
     "RankCheckError",
     "RankMismatchError",
     "RegistryFrozenError",
@@ -73,6 +74,14 @@ class PluginLoadInterrupted(KeyboardInterrupt):
 
 class InvalidPluginError(AttnhostError, ValueError):
     """An in-process plugin object that cannot be registered."""
+
+
+class PluginProblem(Exception):
+    """Internal: why a plugin object cannot be registered; the message completes "plugin X ...: ".
+
+    Not an ``AttnhostError``: it never leaves attnhost, the loader turns it into a failed
+    plugin record (or :class:`InvalidPluginError` for an in-process registration).
+    """
 
 
 class NoForwardContextError(AttnhostError, RuntimeError):
