@@ -21,10 +21,13 @@ __all__ = [
     "BOOLEAN_ENV",
     "DEBUG_ENV",
     "DISABLE_AUTOLOAD_ENV",
+    "NAME_LIST_ENV",
     "NO_CACHE_ENV",
     "PLATFORM_ENV",
     "PLUGINS_ENV",
+    "SGLANG_OVERRIDE_ENV",
     "STRICT_ENV",
+    "VLLM_OVERRIDE_ENV",
     "LoadSettings",
     "Settings",
     "current",
@@ -50,11 +53,17 @@ PLATFORM_ENV = "ATTNHOST_PLATFORM"
 """Overrides platform detection (``cuda``, ``rocm``, ``xpu``, ``npu``, ``mps``, ``cpu``)."""
 DEBUG_ENV = "ATTNHOST_DEBUG"
 """Boolean: the CLI re-raises unexpected errors with their traceback."""
+SGLANG_OVERRIDE_ENV = "ATTNHOST_SGLANG_OVERRIDE"
+"""Comma-separated attnhost backend names allowed to replace SGLang's own implementation of that name."""
+VLLM_OVERRIDE_ENV = "ATTNHOST_VLLM_OVERRIDE"
+"""Comma-separated attnhost backend names allowed to replace vLLM's own backend of that (upper-cased) name."""
 NO_CACHE_ENV = "ATTNHOST_NO_CACHE"
 """Boolean: entry-point discovery neither reads nor writes its on-disk cache."""
 
 BOOLEAN_ENV: tuple[str, ...] = (DISABLE_AUTOLOAD_ENV, STRICT_ENV, DEBUG_ENV, NO_CACHE_ENV)
 """The boolean variables: each is read by :func:`parse_flag`."""
+NAME_LIST_ENV: tuple[str, ...] = (SGLANG_OVERRIDE_ENV, VLLM_OVERRIDE_ENV)
+"""The engine bridges' comma-separated name lists."""
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
@@ -107,6 +116,8 @@ class Settings(NamedTuple):
     """Each boolean variable of :data:`BOOLEAN_ENV` → its value."""
     warnings: tuple[str, ...]
     """One line per variable whose value the rule does not recognise (logged once, when read)."""
+    name_lists: Mapping[str, frozenset[str]]
+    """Each variable of :data:`NAME_LIST_ENV` → the names it lists (empty when unset)."""
 
     @classmethod
     def read(cls, environ: Mapping[str, str]) -> Settings:
@@ -120,7 +131,11 @@ class Settings(NamedTuple):
         allow = None if raw is None else frozenset(part.strip() for part in raw.split(",") if part.strip())
         load = LoadSettings(allow=allow, autoload=not flags[DISABLE_AUTOLOAD_ENV], strict=flags[STRICT_ENV])
         platform = environ.get(PLATFORM_ENV, "").strip()
-        return cls(load, platform, MappingProxyType(flags), tuple(warnings))
+        name_lists = {
+            name: frozenset(part.strip() for part in environ.get(name, "").split(",") if part.strip())
+            for name in NAME_LIST_ENV
+        }
+        return cls(load, platform, MappingProxyType(flags), tuple(warnings), MappingProxyType(name_lists))
 
 
 _lock = threading.Lock()

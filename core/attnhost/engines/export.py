@@ -11,7 +11,6 @@ in to an override by naming it in the engine's override variable.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from attnhost.availability import check_availability
 from attnhost.host import get_registry
 from attnhost.platform import current_platform
 from attnhost.registry import BackendEntry
+from attnhost.settings import current
 
 __all__ = ["CLASH_PREFIX", "ExportPlan", "ExportedBackend", "plan_exports"]
 
@@ -79,9 +79,8 @@ class ExportPlan:
 
 
 def override_names(env_var: str) -> frozenset[str]:
-    """The attnhost names the operator lets replace the engine's own implementation."""
-    raw = os.environ.get(env_var, "")
-    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+    """The attnhost names the operator lets replace the engine's own implementation (read once per process)."""
+    return current().name_lists[env_var]
 
 
 def plan_exports(

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 __all__ = ["OVERRIDE_ENV", "register"]
 
-OVERRIDE_ENV = "ATTNHOST_SGLANG_OVERRIDE"
-"""Comma-separated attnhost backend names allowed to replace SGLang's own implementation of that name."""
+from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
 
 
 def register() -> None:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 __all__ = ["OVERRIDE_ENV", "register"]
 
-OVERRIDE_ENV = "ATTNHOST_VLLM_OVERRIDE"
-"""Comma-separated attnhost backend names allowed to replace vLLM's own backend of that (upper-cased) name."""
+from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
 
 def register() -> None:
