@@ -21,21 +21,12 @@ from attnhost import entry_points_cache as cache
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
     from types import ModuleType
 
-    from importlib_metadata import Distribution, EntryPoint
+    from importlib_metadata import EntryPoint
 
-__all__ = [
-    "RACY_WINDOW_NS",
-    "EntryPointRecord",
-    "cache_file",
-    "clear_memo",
-    "normalize_name",
-    "reset_scan_stats",
-    "scan",
-    "scan_stats",
-]
+__all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "cache_file", "clear_memo", "normalize_name", "reset_scan_stats"]
+__all__ += ["scan", "scan_stats"]
 
 #: A scan is not cached while anything in its key is younger than this (read at call time; tests lower it).
 RACY_WINDOW_NS = 3_000_000_000
@@ -44,18 +35,16 @@ RACY_WINDOW_NS = 3_000_000_000
 _STATS = dict.fromkeys(
     ("scans", "memo_hits", "cache_hits", "cache_misses", "uncached", "cache_writes", "racy_skips", "rejected"), 0
 )
-_MEMO: dict[str, tuple[str, cache.Plan, tuple[EntryPointRecord, ...]]] = {}
+_Answer = tuple[str, cache.Plan, tuple["EntryPointRecord", ...]]
+_MEMO: dict[str, _Answer] = {}
 _FIELDS = ("name", "value", "group", "distribution", "version", "location", "source")
 _STANDARD_FINDERS = {("_frozen_importlib_external", "PathFinder"), ("importlib_metadata", "MetadataPathFinder")}
 
 
 class EntryPointRecord:
-    """One entry point as ``importlib_metadata`` reports it, and where it was declared: immutable, hashable.
-
-    ``distribution``/``version`` are the declaring distribution's ``Name``/``Version``, ``location`` the
-    ``sys.path`` entry it was found on, ``source`` its metadata directory (``""`` if not a directory).
-    Hand-written because importing ``dataclasses`` costs more than a cache hit.
-    """
+    """One entry point as ``importlib_metadata`` reports it, with its distribution's ``Name``/``Version``, the
+    ``sys.path`` entry it was found on and its metadata directory (``""`` if not a directory): immutable,
+    hashable, hand-written because importing ``dataclasses`` costs more than a cache hit."""
 
     __slots__ = _FIELDS
     name: str
@@ -75,11 +64,10 @@ class EntryPointRecord:
     def _astuple(self) -> tuple[str, ...]:
         return tuple(getattr(self, field) for field in _FIELDS)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"cannot assign to field {name!r} of frozen EntryPointRecord")
+    def __setattr__(self, name: str, value: object = None) -> None:
+        raise AttributeError(f"EntryPointRecord is frozen: {name!r} can be neither set nor deleted")
 
-    def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"cannot delete field {name!r} of frozen EntryPointRecord")
+    __delattr__ = __setattr__
 
     def __eq__(self, other: object) -> bool:
         return self._astuple() == other._astuple() if isinstance(other, EntryPointRecord) else NotImplemented
@@ -88,13 +76,13 @@ class EntryPointRecord:
         return hash(self._astuple())
 
     def __repr__(self) -> str:
-        return f"EntryPointRecord({', '.join(f'{f}={v!r}' for f, v in zip(_FIELDS, self._astuple(), strict=True))})"
+        return f"EntryPointRecord{self._astuple()!r}"
 
     def __reduce__(self) -> tuple[type[EntryPointRecord], tuple[str, ...]]:
         return (EntryPointRecord, self._astuple())
 
     def to_dict(self) -> dict[str, object]:
-        """A JSON-ready mapping (for ``attnhost plugins --json`` and friends)."""
+        """The fields, JSON-ready."""
         return dict(zip(_FIELDS, self._astuple(), strict=True))
 
     def _parts(self) -> tuple[str, str, tuple[str, ...]]:
@@ -122,10 +110,7 @@ class EntryPointRecord:
         return self._parts()[2]
 
     def load(self) -> object:
-        """Import the module and walk the attribute path, as ``EntryPoint.load()`` does.
-
-        Raises ``ValueError`` for a value that is not ``module[:attr]``, and whatever the import raises.
-        """
+        """Import the module and walk the attribute path, as ``EntryPoint.load()`` does; ``ValueError`` if malformed."""
         module, attr, _ = self._parts()
         if not module:
             raise ValueError(f"malformed entry point value {self.value!r} for {self.name!r}")
@@ -168,44 +153,41 @@ def _paths() -> list[str]:
     return [entry for entry in sys.path if isinstance(entry, str)]
 
 
-def _cache_enabled() -> bool:
-    """``attnhost.settings``' ``NO_CACHE_ENV`` and ``env_flag`` rule, restated: that module imports ``typing``,
-    and a hit imports nothing but these two modules."""
-    return os.environ.get("ATTNHOST_NO_CACHE", "").strip().lower() not in {"1", "true", "yes", "on"}
-
-
-def _standard_finders_only() -> bool:
+def _use_cache(use_cache: bool | None) -> bool:
+    """*use_cache*, else whether ``ATTNHOST_NO_CACHE`` is unset (``attnhost.settings``' variable and rule, restated:
+    that module imports ``typing``); never with a custom distribution finder, whose finds the key cannot see."""
+    if use_cache is None:
+        use_cache = os.environ.get("ATTNHOST_NO_CACHE", "").strip().lower() not in {"1", "true", "yes", "on"}
     classes = (f if isinstance(f, type) else type(f) for f in sys.meta_path if hasattr(f, "find_distributions"))
-    return all((cls.__module__, cls.__name__) in _STANDARD_FINDERS for cls in classes)
+    return use_cache and all((cls.__module__, cls.__name__) in _STANDARD_FINDERS for cls in classes)
 
 
 def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord, ...]:
     """``importlib_metadata.entry_points(group=group)`` on the current ``sys.path``, as records, maybe cached.
 
     The key is recomputed on every call, so a change made since the previous call is always seen.
-    Never raises because of the cache.
     """
     _STATS["scans"] += 1
     path = _paths()
     ident = cache.identity(group, path)
-    if not (_cache_enabled() if use_cache is None else use_cache) or not _standard_finders_only():
+    if not _use_cache(use_cache):
         _STATS["uncached"] += 1
-        return _from_importlib(group, path, cache.survey(ident, path, group)[2])[0]
+        return _from_importlib(group, path)[0]
     memo = _MEMO.get(ident)
     if memo is not None and cache.key(ident, path, memo[1]) == memo[0]:
         _STATS["memo_hits"] += 1
         return memo[2]
     file = cache.cache_file(ident)
-    text, writable = (None, False) if file is None else cache.read_cache(file)
-    hit = None if text is None else _from_file(text, ident, group, path)
+    stored, writable = (None, False) if file is None else cache.read_cache(file, len(path))
+    hit = None if stored is None else _verified(stored, ident, group, path)
     if hit is not None:
         _STATS["cache_hits"] += 1
         _MEMO[ident] = hit
         return hit[2]
     _STATS["cache_misses"] += 1
     _MEMO.pop(ident, None)
-    digest, plan, texts, newest = cache.survey(ident, path, group)
-    records, rows = _from_importlib(group, path, texts)
+    digest, plan, newest = cache.survey(ident, path, group)
+    records, rows = _from_importlib(group, path)
     if rows is None:
         return records
     if newest > time.time_ns() - RACY_WINDOW_NS:
@@ -218,43 +200,26 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
     return records
 
 
-def _from_file(
-    text: str, ident: str, group: str, path: Sequence[str]
-) -> tuple[str, cache.Plan, tuple[EntryPointRecord, ...]] | None:
-    """The stored answer, if well formed, its key still holds and its ``entry_points.txt`` declare every record."""
-    decoded = cache.decode(text, len(path))
-    if decoded is None:
-        _reject("the cache file is not well formed")
-        return None
-    digest, plan, rows = decoded
+def _verified(
+    stored: tuple[str, cache.Plan, list[cache.Row]], ident: str, group: str, path: list[str]
+) -> _Answer | None:
+    """The stored answer, if its key still holds and each record's ``entry_points.txt`` declares it now."""
+    digest, plan, rows = stored
     if cache.key(ident, path, plan) != digest:
         return None  # the disk changed: an ordinary miss
-    texts: dict[tuple[int, str], str | None] = {}
-    records = []
-    for name, value, dist, version, idx, child in rows:
-        if (idx, child) not in texts:
-            texts[idx, child] = cache.read_entry_points_text(path[idx], child)
-        declared = texts[idx, child]
-        if declared is None or not cache.declares(declared, group, name, value):
-            _reject(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare")
+    texts = {where: cache.read_entry_points_text(path[where[0]], where[1]) for where in {row[4:] for row in rows}}
+    for name, value, _, _, idx, child in rows:
+        if not cache.declares(texts[idx, child], group, name, value):
+            _STATS["rejected"] += 1
+            cache.ignored(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare")
             return None
-        records.append(EntryPointRecord(name, value, group, dist, version, path[idx], os.path.join(path[idx], child)))
+    records = (EntryPointRecord(n, v, group, d, ver, path[i], os.path.join(path[i], c)) for n, v, d, ver, i, c in rows)
     return digest, plan, tuple(records)
 
 
-def _reject(message: str) -> None:
-    _STATS["rejected"] += 1
-    cache.ignored(message)
-
-
-def _from_importlib(
-    group: str, path: Sequence[str], texts: dict[tuple[int, str], str]
-) -> tuple[tuple[EntryPointRecord, ...], list[cache.Row] | None]:
-    """Ask ``importlib_metadata``, and tie each record to the surveyed metadata directory declaring it.
-
-    The rows are ``None`` when some record cannot be tied to one (a zip on the path, a change while we
-    looked): then the answer is returned but not cached.
-    """
+def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord, ...], list[cache.Row] | None]:
+    """Ask ``importlib_metadata``; the rows tie each record to the metadata directory declaring it, or are
+    ``None`` (answer, do not cache) when one cannot be tied (a zip on the path) or ``sys.path`` changed."""
     import contextlib  # the miss path: importlib_metadata imports it anyway
 
     import importlib_metadata as md
@@ -264,40 +229,26 @@ def _from_importlib(
         found = list(md.entry_points(group=group))
     except Exception as exc:  # e.g. an entry_points.txt that is not UTF-8 breaks the whole call
         found = _tolerant_entry_points(md, group, exc)
-    index: dict[str, int] = {}
-    for i, entry in enumerate(path):
-        index.setdefault(os.path.normpath(entry or "."), i)
+    index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[cache.Row] = []
-    tied: dict[int, tuple[int, str] | None] = {}
     for ep in found:
-        dist, name, version, location, where = ep.dist, "", "", "", None
+        dist, name, version, location, source = ep.dist, "", "", "", ""
         if dist is not None:
             with contextlib.suppress(Exception):  # metadata without Name/Version
                 name, version = str(dist.name or ""), str(dist.version or "")
             location = os.path.normpath(str(dist.locate_file("")))
             idx = index.get(location)
+            # A path distribution's metadata directory, as pip reads it too (importlib_metadata names it nowhere else).
+            child = str(getattr(getattr(dist, "_path", None), "name", ""))
             if idx is not None:
                 location = path[idx]
-                if id(dist) not in tied:
-                    tied[id(dist)] = _declaring_dir(dist, idx, texts)
-                where = tied[id(dist)]
-        source = "" if where is None else os.path.join(path[where[0]], where[1])
+                if child and os.path.isdir(os.path.join(location, child)):
+                    source = os.path.join(location, child)
+                    rows.append((ep.name, ep.value, name, version, idx, child))
         records.append(EntryPointRecord(ep.name, ep.value, group, name, version, location, source))
-        if where is not None:
-            rows.append((ep.name, ep.value, name, version, where[0], where[1]))
-    cacheable = len(rows) == len(records) and _paths() == list(path)  # sys.path changed: the answer is for either
+    cacheable = len(rows) == len(records) and _paths() == path  # sys.path changed: the answer is for either
     return tuple(records), rows if cacheable else None
-
-
-def _declaring_dir(dist: Distribution, idx: int, texts: dict[tuple[int, str], str]) -> tuple[int, str] | None:
-    """The one surveyed metadata directory on entry *idx* whose ``entry_points.txt`` is the text *dist* read."""
-    try:
-        text = dist.read_text("entry_points.txt")
-    except Exception:
-        return None
-    matches = [where for where, seen in texts.items() if where[0] == idx and seen == text]
-    return matches[0] if len(matches) == 1 else None
 
 
 def _tolerant_entry_points(md: ModuleType, group: str, exc: Exception) -> list[EntryPoint]:
@@ -316,9 +267,7 @@ def _tolerant_entry_points(md: ModuleType, group: str, exc: Exception) -> list[E
                 seen.add(normalize_name(str(dist.name)))
                 found += [ep for ep in dist.entry_points if ep.group == group]
         except Exception as broken:
-            log.warning(
-                "distribution %s at %s has unreadable metadata (%s: %s), so its entry points are skipped; "
-                "reinstall or remove it",
-                *(label, dist.locate_file(""), type(broken).__name__, broken),
-            )
+            why = f"{type(broken).__name__}: {broken}"
+            log.warning("distribution %s at %s has unreadable metadata (%s), so its entry points are skipped; "
+                        "reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
     return found

@@ -1,32 +1,23 @@
 """The on-disk entry-point cache: its key, its file, and the checks that make a hit trustworthy.
 
-A leaf module (``os``, ``stat``, ``marshal``, ``_blake2``), so that a hit imports neither
-``importlib.metadata`` nor ``importlib_metadata``. Answers always come from ``importlib_metadata``;
-this module only decides whether a stored one still describes the disk.
+A leaf module, so that a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key
+(one file per interpreter, group and ``sys.path``) digests :func:`identity` and the
+``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of each path entry (moved by an install or removal in
+it), of every metadata directory in it (moved when a file is added to or removed from it), of each
+one's ``entry_points.txt`` (the kernel sets ctime on every write, so an in-place edit is seen) and of
+the ``METADATA``/``PKG-INFO`` of those that mention the group. Every stat precedes the read it vouches
+for, and no scan is cached while anything in its key is younger than ``entry_points.RACY_WINDOW_NS``,
+so a change within the same clock tick still moves a ctime. Blind spots: (a) a filesystem keeping
+neither ctime nor mtime, where a change also keeps inode and size; (b) the clock stepped back by more
+than the racy window and a change landing on the old signature exactly; (c) an in-place edit of the
+``METADATA`` text of a distribution whose ``entry_points.txt`` does not mention the group, which
+matters only if it renames a distribution whose directory name carries no name, so that it shadows
+a plugin; (d) a custom finder on ``sys.meta_path`` (then no cache is used).
 
-The key (one file per interpreter, group and ``sys.path``) digests :func:`identity` and the
-``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of: each path entry (an install, removal or rename
-in it moves its mtime; a zip's covers its contents); every metadata directory in it (``*.dist-info``,
-``*.egg-info``, ``EGG-INFO``, any case: a superset of what ``importlib_metadata`` reads), which moves
-when an ``entry_points.txt`` is added or removed; each one's ``entry_points.txt`` (the kernel sets ctime
-on every write, so an in-place edit keeping size and mtime is seen); and the ``METADATA``/``PKG-INFO``
-of those whose ``entry_points.txt`` mentions the group (name and version are part of the answer).
-Every stat precedes the read it vouches for, and a scan is not cached while anything in its key is
-younger than ``attnhost.entry_points.RACY_WINDOW_NS`` (git's "racily clean" rule), so a change made
-within the same clock tick still moves a ctime.
-
-Blind spots: (a) a filesystem that keeps neither ctime nor mtime, where a change also keeps inode and
-size; (b) the clock stepped back by more than the racy window, and a change landing on exactly the old
-signature; (c) an in-place edit of the text of ``METADATA``/``PKG-INFO`` of a distribution whose
-``entry_points.txt`` does not mention the group, which matters only if it changes the name
-``importlib_metadata`` deduplicates by (read from ``METADATA`` when the directory name has none) so
-that it shadows or unshadows a plugin; (d) what a custom finder on ``sys.meta_path`` finds (then no
-cache is used).
-
-The file is used only if it is a regular file owned by the current user, not writable by group or
-others, in a directory with the same properties, at most :data:`MAX_CACHE_BYTES`, opened with
-``O_NOFOLLOW | O_NONBLOCK``; the directory is made ``0700`` and files ``0600`` whatever the umask.
-Anything else: ignored with one debug line. No ``HOME`` and no ``XDG_CACHE_HOME``: no cache.
+The file is used only if it is a regular file of at most :data:`MAX_CACHE_BYTES`, owned by the current
+user and not writable by group or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``;
+the directory is made ``0700`` and files ``0600`` whatever the umask. Anything else: ignored with one
+debug line. No ``HOME`` and no ``XDG_CACHE_HOME``: no cache.
 """
 
 from __future__ import annotations
@@ -45,28 +36,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = [
-    "MAGIC",
-    "MAX_CACHE_BYTES",
-    "MAX_TEXT_BYTES",
-    "Plan",
-    "Row",
-    "cache_dir",
-    "cache_file",
-    "declares",
-    "decode",
-    "encode",
-    "identity",
-    "ignored",
-    "key",
-    "read_cache",
-    "read_entry_points_text",
-    "survey",
-    "write_cache",
-]
+__all__ = ["MAGIC", "MAX_CACHE_BYTES", "MAX_TEXT_BYTES", "Plan", "Row", "cache_dir", "cache_file", "declares"]
+__all__ += ["decode", "encode", "identity", "ignored", "key", "read_cache", "read_entry_points_text", "survey"]
+__all__ += ["write_cache"]
 
 MAGIC = "attnhost-entry-points-cache\t2"
-#: A cache file larger than this is not read.
 MAX_CACHE_BYTES = 16 << 20
 #: An ``entry_points.txt`` larger than this is not read for the key or the check of a hit.
 MAX_TEXT_BYTES = 1 << 20
@@ -76,9 +50,7 @@ Plan = list[tuple[str, ...]]
 Row = tuple[str, str, str, str, int, str]
 """A stored record: ``(name, value, distribution, version, path entry index, metadata directory)``."""
 _Sig = tuple[int, int, int, int, int, int]
-
 _READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def ignored(message: str) -> None:
@@ -98,14 +70,12 @@ def cache_dir() -> str | None:
 
 def identity(group: str, path: Sequence[str]) -> str:
     """Everything but the disk that an answer depends on."""
-    cwd = ""
-    if not all(map(os.path.isabs, path)):
-        try:
-            cwd = os.getcwd()
-        except OSError:
-            cwd = "?"
-    version = str(sys.implementation.cache_tag)
-    return "\0".join((MAGIC, sys.executable, sys.version, version, sys.prefix, group, cwd, str(len(path)), *path))
+    try:
+        cwd = "" if all(map(os.path.isabs, path)) else os.getcwd()
+    except OSError:
+        cwd = "?"
+    tag = str(sys.implementation.cache_tag)
+    return "\0".join((MAGIC, sys.executable, sys.version, tag, sys.prefix, group, cwd, str(len(path)), *path))
 
 
 def _hash(data: bytes) -> str:
@@ -127,62 +97,52 @@ def _sig(path: str) -> _Sig | None:
     return (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _digest(ident: str, sigs: list[_Sig | None]) -> str:
-    """``marshal`` version 2 writes no back-references, so equal values give equal bytes."""
-    return _hash(marshal.dumps((ident, sigs), 2))
-
-
 def _is_metadata_dir(name: str) -> bool:
     low = name.lower()
     return low.endswith((".dist-info", ".egg-info")) or low == "egg-info"
 
 
-def key(ident: str, path: Sequence[str], plan: Plan) -> str | None:
-    """The key's digest as the disk is now, statting what *plan* names (the hit path)."""
-    if len(plan) != len(path):
-        return None
+def key(ident: str, path: Sequence[str], plan: Plan) -> str:
+    """The key's digest as the disk is now, statting what *plan* (one tuple per path entry) names: a hit."""
     sigs = []
     for entry, names in zip(path, plan, strict=True):
-        prefix = (entry or ".") + os.sep
+        prefix = f"{entry or '.'}/"
         sigs.append(_sig(entry or "."))
         sigs += [_sig(prefix + name) for name in names]
-    return _digest(ident, sigs)
+    return _hash(marshal.dumps((ident, sigs), 2))  # version 2 writes no back-references: equal values, equal bytes
 
 
-def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, dict[tuple[int, str], str], int]:
-    """Stat what the key covers, in :func:`key`'s order, before ``importlib_metadata`` reads any of it.
-
-    Returns the digest, the plan, the ``entry_points.txt`` texts that mention *group* (by path entry
-    index and metadata directory) and the newest mtime or ctime seen. A name that fails to stat stays
-    in the plan (as ``None``), so that its appearing later is a change.
-    """
+def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, int]:
+    """The digest and plan that :func:`key` recomputes, statted before ``importlib_metadata`` reads anything,
+    and the newest mtime or ctime seen. A metadata directory that fails to stat stays in the plan."""
     sigs: list[_Sig | None] = []
     plan: Plan = []
-    texts: dict[tuple[int, str], str] = {}
-    for idx, entry in enumerate(path):
-        prefix = (entry or ".") + os.sep
+    for entry in path:
+        prefix = f"{entry or '.'}/"
         sigs.append(_sig(entry or "."))
         try:
             children = [child for child in os.listdir(entry or ".") if _is_metadata_dir(child)]
-        except (OSError, ValueError):  # not a directory: importlib_metadata finds no directory there either
+        except (OSError, ValueError):  # not a directory: importlib_metadata finds none there either
             children = []
         names: list[str] = []
         for child in children:
             ep = f"{child}/entry_points.txt"
             found = {child: _sig(prefix + child), ep: _sig(prefix + ep)}
-            text = read_entry_points_text(entry, child) if found[ep] else None
-            if text is not None and group in text:
-                texts[idx, child] = text
+            if found[ep] is not None and group in (read_entry_points_text(entry, child) or ""):
                 found.update((name, _sig(prefix + name)) for name in (f"{child}/METADATA", f"{child}/PKG-INFO"))
             kept = [name for name, sig in found.items() if sig is not None or name == child]
             names += kept
             sigs += [found[name] for name in kept]
         plan.append(tuple(names))
-    newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
-    return _digest(ident, sigs), plan, texts, newest
+    return (
+        _hash(marshal.dumps((ident, sigs), 2)),
+        plan,
+        max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0),
+    )
 
 
-def _check_owner(st: os.stat_result, what: str) -> None:
+def _check(st: os.stat_result, what: str) -> None:
+    """Raise ``ValueError`` unless *st* is the current user's and writable by nobody else."""
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
         raise ValueError(f"{what} is owned by uid {st.st_uid}, not by the current user (uid {os.geteuid()})")
     if st.st_mode & 0o022:
@@ -193,16 +153,16 @@ def _check_dir(directory: str) -> None:
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"{directory} is not a directory")
-    _check_owner(st, directory)
+    _check(st, directory)
 
 
 def _read(path: str, limit: int, own: bool = False) -> bytes:
     """A regular file's bytes, opened without blocking; if *own*, not through a symlink and only the user's."""
-    fd = os.open(path, _READ | (_NOFOLLOW if own else 0))
+    fd = os.open(path, _READ | (getattr(os, "O_NOFOLLOW", 0) if own else 0))
     try:
         st = os.fstat(fd)
         if own:
-            _check_owner(st, path)
+            _check(st, path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
         data = b""
@@ -226,14 +186,11 @@ def read_entry_points_text(entry: str, name: str) -> str | None:
         return None
 
 
-def declares(text: str, group: str, name: str, value: str) -> bool:
-    """Whether an ``entry_points.txt`` text declares ``name = value`` in section *group*.
-
-    Read as ``importlib_metadata`` reads it (stripped lines, ``#`` comments, ``[section]`` lines, a
-    pair split at the first ``=``); should the two ever disagree, the result is only a cache miss.
-    """
+def declares(text: str | None, group: str, name: str, value: str) -> bool:
+    """Whether an ``entry_points.txt`` text declares ``name = value`` in section *group*, read as
+    ``importlib_metadata`` reads it (should the two ever disagree, the result is only a cache miss)."""
     section = None
-    for line in map(str.strip, text.splitlines()):
+    for line in map(str.strip, (text or "").splitlines()):
         if line.startswith("[") and line.endswith("]"):
             section = line.strip("[]")
         elif section == group and line and line[0] != "#":
@@ -244,15 +201,11 @@ def declares(text: str, group: str, name: str, value: str) -> bool:
 
 
 def encode(digest: str, plan: Plan, rows: Sequence[Row]) -> str | None:
-    """The file's text: magic, digest, a line per path entry, a line per row, checksum.
-
-    ``None`` when a field cannot be written down unambiguously (then the answer is not cached).
-    """
+    """Magic, digest, a line per path entry, a line per row, checksum; ``None`` if a field holds a separator."""
     fields = [name for names in plan for name in names] + [f for row in rows for f in (*row[:4], row[5])]
     if any("\t" in f or "\n" in f for f in fields):
         return None
-    lines = [MAGIC, digest, *map("\t".join, plan)]
-    lines += ["\t".join((*row[:4], str(row[4]), row[5])) for row in rows]
+    lines = [MAGIC, digest, *map("\t".join, plan), *("\t".join((*r[:4], str(r[4]), r[5])) for r in rows)]
     body = "\n".join(lines)
     try:
         return f"{body}\n{_hash(body.encode())}"
@@ -266,32 +219,29 @@ def decode(text: str, n_entries: int) -> tuple[str, Plan, list[Row]] | None:
     lines = body.split("\n")
     if check != _hash(body.encode()) or lines[0] != MAGIC or len(lines) < n_entries + 2:
         return None
-    plan = [tuple(line.split("\t")) if line else () for line in lines[2 : n_entries + 2]]
     rows: list[Row] = []
-    for line in lines[n_entries + 2 :]:
-        f = line.split("\t")
+    for f in (line.split("\t") for line in lines[n_entries + 2 :]):
         if len(f) != 6 or not f[4].isdecimal() or int(f[4]) >= n_entries:
             return None
         rows.append((f[0], f[1], f[2], f[3], int(f[4]), f[5]))
-    return lines[1], plan, rows
+    return lines[1], [tuple(line.split("\t")) if line else () for line in lines[2 : n_entries + 2]], rows
 
 
-def read_cache(file: str) -> tuple[str | None, bool]:
-    """The cache file's text if it is safe to use, and whether its directory may be written to."""
+def read_cache(file: str, n_entries: int) -> tuple[tuple[str, Plan, list[Row]] | None, bool]:
+    """What the cache file holds (:func:`decode`) if it is safe to use, and whether its directory may be written."""
+    directory_ok = False
     try:
         _check_dir(os.path.dirname(file))
+        directory_ok = True
+        stored = decode(_read(file, MAX_CACHE_BYTES, own=True).decode(), n_entries)
+        if stored is None:
+            raise ValueError(f"{file} is not a well-formed cache file")
+        return stored, True
     except FileNotFoundError:
         return None, True
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # not ours, writable by others, a symlink, a FIFO, too large, not UTF-8
         ignored(str(exc))
-        return None, False
-    try:
-        return _read(file, MAX_CACHE_BYTES, own=True).decode(), True
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError) as exc:  # a symlink, a FIFO, too large, not ours, not UTF-8
-        ignored(f"{file}: {exc}")
-    return None, True
+        return None, directory_ok
 
 
 def write_cache(file: str, text: str) -> bool:
