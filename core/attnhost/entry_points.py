@@ -1,14 +1,11 @@
 """Entry points of one group: answered by ``importlib_metadata``, remembered by a cache that checks itself.
 
-:func:`scan` returns ``importlib_metadata.entry_points(group=...)`` for the current ``sys.path``, in
-order, as :class:`EntryPointRecord` objects. While the cache (:mod:`attnhost.entry_points_cache`) still
-describes the disk, the answer comes from it and neither ``importlib.metadata`` nor ``importlib_metadata``
-is imported: every serving process and every ``attnhost`` command discovers plugins, and importing that
-library is most of their start-up. A stored record is returned only while the ``entry_points.txt`` it
-names still declares it, so a forged cache file cannot make the host import anything undeclared.
-
-``ATTNHOST_NO_CACHE`` (``1/true/yes/on``) turns off the memo and the file, ``use_cache=`` overrides it,
-and a custom distribution finder on ``sys.meta_path`` turns them off too (the key cannot see its finds).
+:func:`scan` returns ``importlib_metadata.entry_points(group=...)`` for the current ``sys.path`` as
+:class:`EntryPointRecord` objects. While :mod:`attnhost.entry_points_cache` still describes the disk the
+answer comes from it, importing neither ``importlib.metadata`` nor ``importlib_metadata`` (most of the
+start-up of every serving process and ``attnhost`` command), and each record only while the
+``entry_points.txt`` it names still declares it, so a forged cache file cannot make the host import
+anything undeclared.
 """
 
 from __future__ import annotations
@@ -43,8 +40,9 @@ _STANDARD_FINDERS = {("_frozen_importlib_external", "PathFinder"), ("importlib_m
 
 class EntryPointRecord:
     """One entry point as ``importlib_metadata`` reports it, with its distribution's ``Name``/``Version``, the
-    ``sys.path`` entry it was found on and its metadata directory (``""`` if not a directory): immutable,
-    hashable, hand-written because importing ``dataclasses`` costs more than a cache hit."""
+    ``sys.path`` entry it was found on and its metadata directory (``""`` if not a directory); ``module``,
+    ``attr`` and ``extras`` parse ``value`` as ``EntryPoint`` does. Immutable and hashable; hand-written,
+    because importing ``dataclasses`` costs more than a cache hit."""
 
     __slots__ = _FIELDS
     name: str
@@ -96,17 +94,14 @@ class EntryPointRecord:
 
     @property
     def module(self) -> str:
-        """``"pkg.mod"`` of ``"pkg.mod:obj.attr [extra]"``; ``""`` if malformed."""
         return self._parts()[0]
 
     @property
     def attr(self) -> str:
-        """``"obj.attr"`` of ``"pkg.mod:obj.attr"``; ``""`` for a module reference."""
         return self._parts()[1]
 
     @property
     def extras(self) -> tuple[str, ...]:
-        """The ``[extra]`` names of :attr:`value`."""
         return self._parts()[2]
 
     def load(self) -> object:
@@ -163,10 +158,7 @@ def _use_cache(use_cache: bool | None) -> bool:
 
 
 def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord, ...]:
-    """``importlib_metadata.entry_points(group=group)`` on the current ``sys.path``, as records, maybe cached.
-
-    The key is recomputed on every call, so a change made since the previous call is always seen.
-    """
+    """``importlib_metadata.entry_points(group=group)`` on ``sys.path``, from the cache while its key holds."""
     _STATS["scans"] += 1
     path = _paths()
     ident = cache.identity(group, path)
@@ -227,8 +219,8 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
     md.MetadataPathFinder.invalidate_caches()  # its own listing cache keys on whole-second mtimes
     try:
         found = list(md.entry_points(group=group))
-    except Exception as exc:  # e.g. an entry_points.txt that is not UTF-8 breaks the whole call
-        found = _tolerant_entry_points(md, group, exc)
+    except Exception:  # e.g. one entry_points.txt that is not UTF-8 breaks the whole call
+        found = _tolerant_entry_points(md, group)
     index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[cache.Row] = []
@@ -251,23 +243,21 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
     return tuple(records), rows if cacheable else None
 
 
-def _tolerant_entry_points(md: ModuleType, group: str, exc: Exception) -> list[EntryPoint]:
-    """One distribution at a time, skipping (with one warning each) those ``importlib_metadata`` cannot read."""
+def _tolerant_entry_points(md: ModuleType, group: str) -> list[EntryPoint]:
+    """One distribution at a time, skipping with a warning each one whose metadata cannot be read."""
     import logging
 
-    log = logging.getLogger("attnhost")
-    log.debug("importlib_metadata.entry_points(group=%r) raised %r; reading distributions one by one", group, exc)
     found: list[EntryPoint] = []
     seen: set[str] = set()
     for dist in md.distributions():
         label = "?"
         try:
             label = f"{dist.name} {dist.version}"
-            if normalize_name(str(dist.name)) not in seen:
-                seen.add(normalize_name(str(dist.name)))
+            if (key := normalize_name(str(dist.name))) not in seen:
+                seen.add(key)
                 found += [ep for ep in dist.entry_points if ep.group == group]
         except Exception as broken:
             why = f"{type(broken).__name__}: {broken}"
-            log.warning("distribution %s at %s has unreadable metadata (%s), so its entry points are skipped; "
-                        "reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
+            logging.getLogger("attnhost").warning("distribution %s at %s has unreadable metadata (%s), so its entry "
+                "points are skipped; reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
     return found

@@ -207,23 +207,18 @@ def encode(digest: str, plan: Plan, rows: Sequence[Row]) -> str | None:
         return None
     lines = [MAGIC, digest, *map("\t".join, plan), *("\t".join((*r[:4], str(r[4]), r[5])) for r in rows)]
     body = "\n".join(lines)
-    try:
-        return f"{body}\n{_hash(body.encode())}"
-    except UnicodeEncodeError:  # a file name that is not UTF-8
-        return None
+    return f"{body}\n{_hash(body.encode('utf-8', 'surrogatepass'))}"
 
 
-def decode(text: str, n_entries: int) -> tuple[str, Plan, list[Row]] | None:
-    """The digest, plan and rows of a cache text, or ``None`` if it is not a well-formed one for *n_entries*."""
+def decode(text: str, n_entries: int) -> tuple[str, Plan, list[Row]]:
+    """The digest, plan and rows of a cache text; ``ValueError`` if it is not a well-formed one for *n_entries*."""
     body, _, check = text.rpartition("\n")
     lines = body.split("\n")
     if check != _hash(body.encode()) or lines[0] != MAGIC or len(lines) < n_entries + 2:
-        return None
-    rows: list[Row] = []
-    for f in (line.split("\t") for line in lines[n_entries + 2 :]):
-        if len(f) != 6 or not f[4].isdecimal() or int(f[4]) >= n_entries:
-            return None
-        rows.append((f[0], f[1], f[2], f[3], int(f[4]), f[5]))
+        raise ValueError("the cache file is not well formed")
+    rows = [(n, v, d, ver, int(i), c) for n, v, d, ver, i, c in (line.split("\t") for line in lines[n_entries + 2 :])]
+    if any(not 0 <= row[4] < n_entries for row in rows):
+        raise ValueError("the cache file names a path entry out of range")
     return lines[1], [tuple(line.split("\t")) if line else () for line in lines[2 : n_entries + 2]], rows
 
 
@@ -233,10 +228,7 @@ def read_cache(file: str, n_entries: int) -> tuple[tuple[str, Plan, list[Row]] |
     try:
         _check_dir(os.path.dirname(file))
         directory_ok = True
-        stored = decode(_read(file, MAX_CACHE_BYTES, own=True).decode(), n_entries)
-        if stored is None:
-            raise ValueError(f"{file} is not a well-formed cache file")
-        return stored, True
+        return decode(_read(file, MAX_CACHE_BYTES, own=True).decode(), n_entries), True
     except FileNotFoundError:
         return None, True
     except (OSError, ValueError) as exc:  # not ours, writable by others, a symlink, a FIFO, too large, not UTF-8
