@@ -1,23 +1,20 @@
 """The on-disk entry-point cache: its key, its file, and the checks that make a hit trustworthy.
 
 A leaf module, so that a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key
-(one file per interpreter, group and ``sys.path``) digests :func:`identity` and the
-``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of each path entry (moved by an install or removal in
-it), of every metadata directory in it (moved when a file is added to or removed from it), of each
-one's ``entry_points.txt`` (the kernel sets ctime on every write, so an in-place edit is seen) and of
-the ``METADATA``/``PKG-INFO`` of those that mention the group. Every stat precedes the read it vouches
-for, and no scan is cached while anything in its key is younger than ``entry_points.RACY_WINDOW_NS``,
-so a change within the same clock tick still moves a ctime. Blind spots: (a) a filesystem keeping
-neither ctime nor mtime, where a change also keeps inode and size; (b) the clock stepped back by more
-than the racy window and a change landing on the old signature exactly; (c) an in-place edit of the
-``METADATA`` text of a distribution whose ``entry_points.txt`` does not mention the group, which
-matters only if it renames a distribution whose directory name carries no name, so that it shadows
-a plugin; (d) a custom finder on ``sys.meta_path`` (then no cache is used).
+(a file per interpreter, group and ``sys.path``) digests :func:`identity` and ``(mode, dev, ino, size,
+mtime_ns, ctime_ns)`` of each path entry, of every metadata directory in it (it moves when a file in it
+is added or removed), of each one's ``entry_points.txt`` (the kernel sets ctime on every write, so an
+in-place edit is seen) and of the ``METADATA``/``PKG-INFO`` of those that mention the group. Each stat
+precedes the read it vouches for, and nothing younger than ``entry_points.RACY_WINDOW_NS`` is cached, so
+a change within the same clock tick still moves a ctime. Blind spots: (a) a filesystem keeping neither
+ctime nor mtime; (b) the clock stepped back by more than the racy window; (c) an in-place edit of the
+``METADATA`` of a distribution whose ``entry_points.txt`` does not mention the group and whose directory
+name carries no name, renaming it so that it shadows a plugin; (d) a custom finder on ``sys.meta_path``
+(then no cache is used).
 
-The file is used only if it is a regular file of at most :data:`MAX_CACHE_BYTES`, owned by the current
-user and not writable by group or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``;
-the directory is made ``0700`` and files ``0600`` whatever the umask. Anything else: ignored with one
-debug line. No ``HOME`` and no ``XDG_CACHE_HOME``: no cache.
+The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the current user's and not
+writable by group or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; the directory
+is made ``0700`` and files ``0600`` whatever the umask. Anything else: ignored with one debug line.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["MAGIC", "MAX_CACHE_BYTES", "MAX_TEXT_BYTES", "Plan", "Row", "cache_dir", "cache_file", "declares"]
-__all__ += ["decode", "encode", "identity", "ignored", "key", "read_cache", "read_entry_points_text", "survey"]
-__all__ += ["write_cache"]
+__all__ = ["MAX_CACHE_BYTES", "Plan", "Row", "cache_dir", "cache_file", "declares", "decode", "encode", "identity"]
+__all__ += ["ignored", "key", "read_cache", "read_entry_points_text", "survey", "write_cache"]
 
 MAGIC = "attnhost-entry-points-cache\t2"
 MAX_CACHE_BYTES = 16 << 20
@@ -50,7 +46,6 @@ Plan = list[tuple[str, ...]]
 Row = tuple[str, str, str, str, int, str]
 """A stored record: ``(name, value, distribution, version, path entry index, metadata directory)``."""
 _Sig = tuple[int, int, int, int, int, int]
-_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def ignored(message: str) -> None:
@@ -61,7 +56,7 @@ def ignored(message: str) -> None:
 
 
 def cache_dir() -> str | None:
-    """``$XDG_CACHE_HOME/attnhost``, else ``$HOME/.cache/attnhost``; only absolute ones (never under the cwd)."""
+    """``$XDG_CACHE_HOME/attnhost``, else ``$HOME/.cache/attnhost``; only absolute ones, else ``None``: no cache."""
     for base in (os.environ.get("XDG_CACHE_HOME", ""), os.path.join(os.environ.get("HOME", ""), ".cache")):
         if os.path.isabs(base):
             return os.path.join(base, "attnhost")
@@ -134,35 +129,30 @@ def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, int]
             names += kept
             sigs += [found[name] for name in kept]
         plan.append(tuple(names))
-    return (
-        _hash(marshal.dumps((ident, sigs), 2)),
-        plan,
-        max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0),
-    )
+    newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
+    return _hash(marshal.dumps((ident, sigs), 2)), plan, newest
 
 
-def _check(st: os.stat_result, what: str) -> None:
-    """Raise ``ValueError`` unless *st* is the current user's and writable by nobody else."""
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+def _check(what: str, st: os.stat_result | None = None) -> None:
+    """Raise ``ValueError`` unless *what* is the current user's and writable by nobody else; without its *st*,
+    unless it is a directory (not a symlink to one)."""
+    if st is None:
+        st = os.lstat(what)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ValueError(f"{what} is not a directory")
+    if st.st_uid != os.geteuid():
         raise ValueError(f"{what} is owned by uid {st.st_uid}, not by the current user (uid {os.geteuid()})")
     if st.st_mode & 0o022:
         raise ValueError(f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _check_dir(directory: str) -> None:
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{directory} is not a directory")
-    _check(st, directory)
-
-
 def _read(path: str, limit: int, own: bool = False) -> bytes:
     """A regular file's bytes, opened without blocking; if *own*, not through a symlink and only the user's."""
-    fd = os.open(path, _READ | (getattr(os, "O_NOFOLLOW", 0) if own else 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if own else 0))
     try:
         st = os.fstat(fd)
         if own:
-            _check(st, path)
+            _check(path, st)
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
             raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
         data = b""
@@ -226,7 +216,7 @@ def read_cache(file: str, n_entries: int) -> tuple[tuple[str, Plan, list[Row]] |
     """What the cache file holds (:func:`decode`) if it is safe to use, and whether its directory may be written."""
     directory_ok = False
     try:
-        _check_dir(os.path.dirname(file))
+        _check(os.path.dirname(file))
         directory_ok = True
         return decode(_read(file, MAX_CACHE_BYTES, own=True).decode(), n_entries), True
     except FileNotFoundError:
@@ -247,7 +237,7 @@ def write_cache(file: str, text: str) -> bool:
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700)
             os.chmod(directory, 0o700)  # mkdir's mode is masked by the umask
-        _check_dir(directory)
+        _check(directory)
         with open(tmp, "xb", opener=lambda name, flags: os.open(name, flags, 0o600)) as out:
             os.fchmod(out.fileno(), 0o600)
             out.write(text.encode())
