@@ -192,9 +192,7 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
     return records
 
 
-def _verified(
-    stored: tuple[str, cache.Plan, list[cache.Row]], ident: str, group: str, path: list[str]
-) -> _Answer | None:
+def _verified(stored: cache.Stored, ident: str, group: str, path: list[str]) -> _Answer | None:
     """The stored answer, if its key still holds and each record's ``entry_points.txt`` declares it now."""
     digest, plan, rows = stored
     if cache.key(ident, path, plan) != digest:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 __all__ = ["MAX_CACHE_BYTES", "Plan", "Row", "cache_dir", "cache_file", "declares", "decode", "encode", "identity"]
-__all__ += ["ignored", "key", "read_cache", "read_entry_points_text", "survey", "write_cache"]
+__all__ += ["Stored", "ignored", "key", "read_cache", "read_entry_points_text", "survey", "write_cache"]
 
 MAGIC = "attnhost-entry-points-cache\t2"
 MAX_CACHE_BYTES = 16 << 20
@@ -45,6 +45,8 @@ Plan = list[tuple[str, ...]]
 """Per path entry, the names under it (``child`` or ``child/file``) whose signatures are in the key."""
 Row = tuple[str, str, str, str, int, str]
 """A stored record: ``(name, value, distribution, version, path entry index, metadata directory)``."""
+Stored = tuple[str, Plan, list[Row]]
+"""What a cache file holds: the key's digest, the plan and the rows."""
 _Sig = tuple[int, int, int, int, int, int]
 
 
@@ -200,7 +202,7 @@ def encode(digest: str, plan: Plan, rows: Sequence[Row]) -> str | None:
     return f"{body}\n{_hash(body.encode('utf-8', 'surrogatepass'))}"
 
 
-def decode(text: str, n_entries: int) -> tuple[str, Plan, list[Row]]:
+def decode(text: str, n_entries: int) -> Stored:
     """The digest, plan and rows of a cache text; ``ValueError`` if it is not a well-formed one for *n_entries*."""
     body, _, check = text.rpartition("\n")
     lines = body.split("\n")
@@ -212,7 +214,7 @@ def decode(text: str, n_entries: int) -> tuple[str, Plan, list[Row]]:
     return lines[1], [tuple(line.split("\t")) if line else () for line in lines[2 : n_entries + 2]], rows
 
 
-def read_cache(file: str, n_entries: int) -> tuple[tuple[str, Plan, list[Row]] | None, bool]:
+def read_cache(file: str, n_entries: int) -> tuple[Stored | None, bool]:
     """What the cache file holds (:func:`decode`) if it is safe to use, and whether its directory may be written."""
     directory_ok = False
     try:
