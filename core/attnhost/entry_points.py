@@ -1,11 +1,8 @@
 """Entry points of one group: answered by ``importlib_metadata``, remembered by a cache that checks itself.
 
-:func:`scan` returns ``importlib_metadata.entry_points(group=...)`` for the current ``sys.path`` as
-:class:`EntryPointRecord` objects. While :mod:`attnhost.entry_points_cache` still describes the disk the
-answer comes from it, importing neither ``importlib.metadata`` nor ``importlib_metadata`` (most of the
-start-up of every serving process and ``attnhost`` command), and each record only while the
-``entry_points.txt`` it names still declares it, so a forged cache file cannot make the host import
-anything undeclared.
+While :mod:`attnhost.entry_points_cache` still describes the disk, :func:`scan` answers from it without
+importing ``importlib.metadata`` or ``importlib_metadata`` (most of the start-up of every serving process
+and ``attnhost`` command), and a record only while the ``entry_points.txt`` it names declares it.
 """
 
 from __future__ import annotations
@@ -15,12 +12,6 @@ import sys
 import time
 
 from attnhost import entry_points_cache as cache
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from types import ModuleType
-
-    from importlib_metadata import EntryPoint
 
 __all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "cache_file", "clear_memo", "normalize_name", "reset_scan_stats"]
 __all__ += ["scan", "scan_stats"]
@@ -217,8 +208,21 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
     md.MetadataPathFinder.invalidate_caches()  # its own listing cache keys on whole-second mtimes
     try:
         found = list(md.entry_points(group=group))
-    except Exception:  # e.g. one entry_points.txt that is not UTF-8 breaks the whole call
-        found = _tolerant_entry_points(md, group)
+    except Exception:  # e.g. one entry_points.txt that is not UTF-8 breaks the whole call: one at a time, then
+        import logging
+
+        found, seen = [], set()
+        for dist in md.distributions():
+            label = "?"
+            try:
+                label = f"{dist.name} {dist.version}"
+                if (key := normalize_name(str(dist.name))) not in seen:  # the first of a name, as importlib_metadata
+                    seen.add(key)
+                    found += [ep for ep in dist.entry_points if ep.group == group]
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                logging.getLogger("attnhost").warning("distribution %s at %s has unreadable metadata (%s), so its "
+                    "entry points are skipped; reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
     index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[cache.Row] = []
@@ -239,23 +243,3 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
         records.append(EntryPointRecord(ep.name, ep.value, group, name, version, location, source))
     cacheable = len(rows) == len(records) and _paths() == path  # sys.path changed: the answer is for either
     return tuple(records), rows if cacheable else None
-
-
-def _tolerant_entry_points(md: ModuleType, group: str) -> list[EntryPoint]:
-    """One distribution at a time, skipping with a warning each one whose metadata cannot be read."""
-    import logging
-
-    found: list[EntryPoint] = []
-    seen: set[str] = set()
-    for dist in md.distributions():
-        label = "?"
-        try:
-            label = f"{dist.name} {dist.version}"
-            if (key := normalize_name(str(dist.name))) not in seen:
-                seen.add(key)
-                found += [ep for ep in dist.entry_points if ep.group == group]
-        except Exception as broken:
-            why = f"{type(broken).__name__}: {broken}"
-            logging.getLogger("attnhost").warning("distribution %s at %s has unreadable metadata (%s), so its entry "
-                "points are skipped; reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
-    return found
