@@ -1,8 +1,8 @@
 """Entry points of one group: answered by ``importlib_metadata``, remembered by a cache that checks itself.
 
-While :mod:`attnhost.entry_points_cache` still describes the disk, :func:`scan` answers from it without
-importing ``importlib.metadata`` or ``importlib_metadata`` (most of the start-up of every serving process
-and ``attnhost`` command), and a record only while the ``entry_points.txt`` it names declares it.
+While :mod:`attnhost.entry_points_cache` describes the disk, :func:`scan` answers from it without importing
+``importlib_metadata`` (most of every ``attnhost`` start-up), a record only while its ``entry_points.txt``
+declares it; a custom distribution finder on ``sys.meta_path``, whose finds the key cannot see, disables it.
 """
 
 from __future__ import annotations
@@ -30,10 +30,8 @@ _STANDARD_FINDERS = {("_frozen_importlib_external", "PathFinder"), ("importlib_m
 
 
 class EntryPointRecord:
-    """One entry point as ``importlib_metadata`` reports it, with its distribution's ``Name``/``Version``, the
-    ``sys.path`` entry it was found on and its metadata directory (``""`` if not a directory); ``module``,
-    ``attr`` and ``extras`` parse ``value`` as ``EntryPoint`` does. Immutable and hashable; hand-written,
-    because importing ``dataclasses`` costs more than a cache hit."""
+    """An entry point with its distribution's ``Name``/``Version``, ``sys.path`` entry and metadata directory
+    (``""`` if none); immutable, hashable, hand-written (importing ``dataclasses`` costs more than a hit)."""
 
     __slots__ = _FIELDS
     name: str
@@ -75,7 +73,6 @@ class EntryPointRecord:
         return dict(zip(_FIELDS, self._astuple(), strict=True))
 
     def _parts(self) -> tuple[str, str, tuple[str, ...]]:
-        """``module``, ``attr``, ``extras`` by ``importlib_metadata``'s pattern; empty if malformed."""
         import re  # loading a plugin imports far more than this; a scan does not need it
 
         match = re.match(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$", self.value)
@@ -140,8 +137,7 @@ def _paths() -> list[str]:
 
 
 def _use_cache(use_cache: bool | None) -> bool:
-    """*use_cache*, else whether ``ATTNHOST_NO_CACHE`` is unset (``attnhost.settings``' variable and rule, restated:
-    that module imports ``typing``); never with a custom distribution finder, whose finds the key cannot see."""
+    """*use_cache*, else ``ATTNHOST_NO_CACHE`` unset (settings' rule, restated: settings imports ``typing``)."""
     if use_cache is None:
         use_cache = os.environ.get("ATTNHOST_NO_CACHE", "").strip().lower() not in {"1", "true", "yes", "on"}
     classes = (f if isinstance(f, type) else type(f) for f in sys.meta_path if hasattr(f, "find_distributions"))
@@ -199,8 +195,7 @@ def _verified(stored: cache.Stored, ident: str, group: str, path: list[str]) -> 
 
 
 def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord, ...], list[cache.Row] | None]:
-    """Ask ``importlib_metadata``; the rows tie each record to the metadata directory declaring it, or are
-    ``None`` (answer, do not cache) when one cannot be tied (a zip on the path) or ``sys.path`` changed."""
+    """Ask ``importlib_metadata``; rows tie records to their metadata directories (``None``: do not cache)."""
     import contextlib  # the miss path: importlib_metadata imports it anyway
 
     import importlib_metadata as md

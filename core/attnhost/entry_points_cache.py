@@ -1,20 +1,16 @@
 """The on-disk entry-point cache: its key, its file, and the checks that make a hit trustworthy.
 
-A leaf module, so that a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key
-(a file per interpreter, group and ``sys.path``) digests :func:`identity` and ``(mode, dev, ino, size,
-mtime_ns, ctime_ns)`` of each path entry, of every metadata directory in it (it moves when a file in it
-is added or removed), of each one's ``entry_points.txt`` (the kernel sets ctime on every write, so an
-in-place edit is seen) and of the ``METADATA``/``PKG-INFO`` of those that mention the group. Each stat
-precedes the read it vouches for, and nothing younger than ``entry_points.RACY_WINDOW_NS`` is cached, so
-a change within the same clock tick still moves a ctime. Blind spots: (a) a filesystem keeping neither
-ctime nor mtime; (b) the clock stepped back by more than the racy window; (c) an in-place edit of the
-``METADATA`` of a distribution whose ``entry_points.txt`` does not mention the group and whose directory
-name carries no name, renaming it so that it shadows a plugin; (d) a custom finder on ``sys.meta_path``
-(then no cache is used).
-
-The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the current user's and not
-writable by group or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; the directory
-is made ``0700`` and files ``0600`` whatever the umask. Anything else: ignored with one debug line.
+A leaf module: a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key digests
+:func:`identity` and ``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of each path entry, of every metadata
+directory in it (moved when a file is added or removed), of its ``entry_points.txt`` (the kernel sets
+ctime on every write, so an in-place edit is seen) and, if that mentions the group, its ``METADATA`` /
+``PKG-INFO``. Each stat precedes the read it vouches for; nothing younger than ``RACY_WINDOW_NS`` is cached.
+Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock stepped back by more than the
+racy window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry_points.txt`` does not
+mention the group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom
+finder on ``sys.meta_path`` (then no cache is used). The file is used only if a regular file of at most
+:data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike, opened with
+``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored, one debug line.
 """
 
 from __future__ import annotations
@@ -38,15 +34,11 @@ __all__ += ["Stored", "ignored", "key", "read_cache", "read_entry_points_text", 
 
 MAGIC = "attnhost-entry-points-cache\t2"
 MAX_CACHE_BYTES = 16 << 20
-#: An ``entry_points.txt`` larger than this is not read for the key or the check of a hit.
-MAX_TEXT_BYTES = 1 << 20
+MAX_TEXT_BYTES = 1 << 20  # an entry_points.txt larger than this is not read (for the key or a hit's check)
 
-Plan = list[tuple[str, ...]]
-"""Per path entry, the names under it (``child`` or ``child/file``) whose signatures are in the key."""
-Row = tuple[str, str, str, str, int, str]
-"""A stored record: ``(name, value, distribution, version, path entry index, metadata directory)``."""
-Stored = tuple[str, Plan, list[Row]]
-"""What a cache file holds: the key's digest, the plan and the rows."""
+Plan = list[tuple[str, ...]]  # per path entry, the names under it (child or child/file) in the key
+Row = tuple[str, str, str, str, int, str]  # name, value, distribution, version, path entry index, metadata dir
+Stored = tuple[str, Plan, list[Row]]  # what a cache file holds: the key's digest, the plan, the records
 _Sig = tuple[int, int, int, int, int, int]
 
 
@@ -71,8 +63,7 @@ def identity(group: str, path: Sequence[str]) -> str:
         cwd = "" if all(map(os.path.isabs, path)) else os.getcwd()
     except OSError:
         cwd = "?"
-    tag = str(sys.implementation.cache_tag)
-    return "\0".join((MAGIC, sys.executable, sys.version, tag, sys.prefix, group, cwd, str(len(path)), *path))
+    return "\0".join((MAGIC, sys.executable, sys.version, sys.prefix, group, cwd, str(len(path)), *path))
 
 
 def _hash(data: bytes) -> str:
@@ -110,8 +101,7 @@ def key(ident: str, path: Sequence[str], plan: Plan) -> str:
 
 
 def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, int]:
-    """The digest and plan that :func:`key` recomputes, statted before ``importlib_metadata`` reads anything,
-    and the newest mtime or ctime seen. A metadata directory that fails to stat stays in the plan."""
+    """:func:`key`'s digest and plan, statted before ``importlib_metadata`` reads, and the newest time seen."""
     sigs: list[_Sig | None] = []
     plan: Plan = []
     for entry in path:
@@ -136,8 +126,7 @@ def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, int]
 
 
 def _check(what: str, st: os.stat_result | None = None) -> None:
-    """Raise ``ValueError`` unless *what* is the current user's and writable by nobody else; without its *st*,
-    unless it is a directory (not a symlink to one)."""
+    """Raise ``ValueError`` unless *what* is the user's, writable by nobody else, and (without *st*) a directory."""
     if st is None:
         st = os.lstat(what)
         if not stat.S_ISDIR(st.st_mode):
@@ -179,8 +168,7 @@ def read_entry_points_text(entry: str, name: str) -> str | None:
 
 
 def declares(text: str | None, group: str, name: str, value: str) -> bool:
-    """Whether an ``entry_points.txt`` text declares ``name = value`` in section *group*, read as
-    ``importlib_metadata`` reads it (should the two ever disagree, the result is only a cache miss)."""
+    """Whether an ``entry_points.txt`` text declares ``name = value`` in *group*, as ``importlib_metadata`` reads it."""
     section = None
     for line in map(str.strip, (text or "").splitlines()):
         if line.startswith("[") and line.endswith("]"):
