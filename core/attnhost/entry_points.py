@@ -137,7 +137,11 @@ def _paths() -> list[str]:
 
 
 def _use_cache(use_cache: bool | None) -> bool:
-    """*use_cache*, else ``ATTNHOST_NO_CACHE`` unset (settings' rule, restated: settings imports ``typing``)."""
+    """*use_cache* (the host passes its settings' answer), else ``ATTNHOST_NO_CACHE`` unset.
+
+    The fallback, for callers outside the host, restates settings' rule for a
+    true value rather than importing settings: a cache hit imports nothing more.
+    """
     if use_cache is None:
         use_cache = os.environ.get("ATTNHOST_NO_CACHE", "").strip().lower() not in {"1", "true", "yes", "on"}
     classes = (f if isinstance(f, type) else type(f) for f in sys.meta_path if hasattr(f, "find_distributions"))

@@ -38,7 +38,7 @@ from attnhost.errors import (
 )
 from attnhost.hooks import hookimpl
 from attnhost.registry import Registry, build_registry, collect_contributions
-from attnhost.settings import PLUGINS_ENV, STRICT_ENV, LoadSettings
+from attnhost.settings import NO_CACHE_ENV, PLUGINS_ENV, STRICT_ENV, LoadSettings, env_flag
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
@@ -107,7 +107,7 @@ class PluginHost:
                 return self._loading
             pm = GuardedPluginManager(self._change)
             settings = self._settings = LoadSettings.from_env()  # before any plugin code runs
-            records = entry_points.scan(ENTRY_POINT_GROUP)
+            records = entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
             self._loading = pm
             try:
                 result = load_entry_points(pm, records, settings)
