@@ -107,6 +107,21 @@ class _RunnerView:
         self.kv_pool = kv_pool
 
 
+class _Stamp:
+    """A backend-name stamp SGLang writes on the adapter, written through to the attnhost backend inside."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, adapter: object, owner: type | None = None) -> str | None:
+        return None if adapter is None else adapter.__dict__.get(self.name)
+
+    def __set__(self, adapter: object, value: str | None) -> None:
+        adapter.__dict__[self.name] = value
+        if (inner := adapter.__dict__.get("attnhost_backend")) is not None:
+            setattr(inner, self.name, value)
+
+
 class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGLang is untyped
     """SGLang's backend interface over one attnhost backend, built once per SGLang model runner."""
 
@@ -156,25 +171,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
 
     # SGLang stamps the runner's resolved names on its backend after building it (#28559); the
     # attnhost backend inside carries the same stamps, so attnhost-side dispatch agrees with SGLang's.
-    @property
-    def prefill_attention_backend_str(self) -> str | None:
-        return self.__dict__.get("_prefill_str")
-
-    @prefill_attention_backend_str.setter
-    def prefill_attention_backend_str(self, name: str | None) -> None:
-        self.__dict__["_prefill_str"] = name
-        if (inner := self.__dict__.get("attnhost_backend")) is not None:
-            inner.prefill_attention_backend_str = name
-
-    @property
-    def decode_attention_backend_str(self) -> str | None:
-        return self.__dict__.get("_decode_str")
-
-    @decode_attention_backend_str.setter
-    def decode_attention_backend_str(self, name: str | None) -> None:
-        self.__dict__["_decode_str"] = name
-        if (inner := self.__dict__.get("attnhost_backend")) is not None:
-            inner.decode_attention_backend_str = name
+    prefill_attention_backend_str = _Stamp()
+    decode_attention_backend_str = _Stamp()
 
     # -- construction-time checks -----------------------------------------------------
 
