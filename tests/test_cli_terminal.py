@@ -158,6 +158,7 @@ def test_list_unknown_name_is_one_line_with_did_you_mean(site: Path) -> None:
     )
 
 
+@pytest.mark.torch  # needs torch installed (the py312/py313 envs have none)
 def test_available_shows_only_what_runs_here(site: Path) -> None:
     result = run_cli("list", "--available", path_entries=[site], env=NARROW)
     assert result.returncode == 0, result.stderr

@@ -453,9 +453,10 @@ def test_a_forged_builtin_is_not_imported_even_with_autoload_disabled(site: Path
             ("evil", "evil_mod", "attnhost", "0.1.0", 0, "plug_a-1.0.dist-info")])  # fmt: skip
     code = _child_code(
         """
+        import contextlib
         from attnhost.discovery import GuardedPluginManager, load_entry_points
         from attnhost.settings import LoadSettings
-        pm = GuardedPluginManager(lambda: False, lambda: None)
+        pm = GuardedPluginManager(lambda what: contextlib.nullcontext())
         result = load_entry_points(pm, E.scan("sglang.draft_attention_backends"), LoadSettings.from_env())
         print(json.dumps({p.name: p.status.value for p in result.plugins}))
         """

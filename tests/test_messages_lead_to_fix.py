@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import make_plugin, run_cli
 
+torch = pytest.importorskip("torch")  # the py312/py313 envs have no torch
+
 import attnhost
 from attnhost import BackendUnavailableError, ModelRunner, ServerArgs, resolve_draft_attention_backend
 from attnhost.host import _reset_for_tests
