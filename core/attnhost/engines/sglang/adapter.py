@@ -331,10 +331,11 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             raise self._refuse(f"padded batches ({q3.shape[0]} query rows for {batch.num_new_tokens} tokens)")
         if save_kv_cache and (k is None or v is None):
             raise RuntimeError(f"{self._where}: save_kv_cache=True but SGLang passed no K/V for layer {layer.layer_id}")
-        kv_shape = (-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
-        k3 = k.view(kv_shape) if k is not None else None
-        v3 = v.view(kv_shape) if v is not None else None
-        return batch, attnhost_layer, q3, k3, v3
+        if k is not None and k.dim() != 3:  # RadixAttention already hands [tokens, kv_heads, head_dim]
+            k = k.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
+        if v is not None and v.dim() != 3:
+            v = v.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
+        return batch, attnhost_layer, q3, k, v
 
     # -- what SGLang may ask and an attnhost backend cannot give -----------------------
 
