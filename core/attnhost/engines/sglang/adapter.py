@@ -28,6 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangFo
 from torch import Tensor
 
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
+from attnhost.engines.runner_view import RunnerView
 from attnhost.errors import UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
@@ -95,18 +96,6 @@ class SGLangKVCache:
         self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, physical=self._physical), k, v)
 
 
-class _RunnerView:
-    """What the attnhost factory receives (:class:`~attnhost.AttentionRunner`) inside SGLang."""
-
-    __slots__ = ("device", "dtype", "is_draft", "kv_pool")
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, is_draft: bool, kv_pool: SGLangKVCache) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.is_draft = is_draft
-        self.kv_pool = kv_pool
-
-
 class _Stamp:
     """A backend-name stamp SGLang writes on the adapter, written through to the attnhost backend inside."""
 
@@ -147,7 +136,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.data_type = getattr(model_runner, "dtype", None) or self.token_to_kv_pool.dtype
         self.kv_cache_dtype = self.token_to_kv_pool.dtype
         self._kv = SGLangKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
-        view = _RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
+        view = RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
         backend = build_backend(
             factory,
             view,
@@ -305,20 +294,6 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         save_kv_cache: bool,
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
-        batch, attnhost_layer, q3, k3, v3 = self._prepare(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
-        out: Tensor = getattr(self.attnhost_backend, method)(q3, k3, v3, attnhost_layer, batch, save_kv_cache)
-        return out.reshape(q3.shape[0], -1)
-
-    def _prepare(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: RadixAttention,
-        forward_batch: SGLangBatch,
-        save_kv_cache: bool,
-        kwargs: dict[str, Any],
-    ) -> tuple[ForwardBatch, AttentionLayer, torch.Tensor, Any, Any]:
         batch = self._batch
         if batch is None or forward_batch is not self._sglang_batch:
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
@@ -335,7 +310,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             k = k.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
         if v is not None and v.dim() != 3:
             v = v.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
-        return batch, attnhost_layer, q3, k, v
+        out: Tensor = getattr(self.attnhost_backend, method)(q3, k, v, attnhost_layer, batch, save_kv_cache)
+        return out.reshape(q3.shape[0], -1)
 
     # -- what SGLang may ask and an attnhost backend cannot give -----------------------
 

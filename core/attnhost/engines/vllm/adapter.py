@@ -64,6 +64,7 @@ from vllm.v1.kv_cache_interface import (
 
 from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, build_backend, capabilities_of
 from attnhost.engines.export import ExportedBackend
+from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.names import BACKENDS_MODULE
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
@@ -150,18 +151,6 @@ class VLLMKVCache:
         v_view.index_copy_(0, loc, v.to(v_view.dtype))
 
 
-class _RunnerView:
-    """What the attnhost factory receives (:class:`~attnhost.AttentionRunner`) inside vLLM."""
-
-    __slots__ = ("device", "dtype", "is_draft", "kv_pool")
-
-    def __init__(self, device: torch.device, dtype: torch.dtype, is_draft: bool, kv_pool: VLLMKVCache) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.is_draft = is_draft
-        self.kv_pool = kv_pool
-
-
 @dataclass(frozen=True, slots=True)
 class AttnhostVLLMMetadata:
     """Per-batch metadata: the attnhost batch (``None`` when no request runs) and the backend that planned it."""
@@ -231,7 +220,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
         default_host().freeze(by="a vLLM attention metadata builder")
         empty = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
-        runner = _RunnerView(
+        runner = RunnerView(
             self.device,
             self.dtype,
             bool(kv_cache_spec.is_draft),
