@@ -131,6 +131,22 @@ def test_sglangs_stamps_reach_the_attnhost_backend_and_runners_do_not_share() ->
     assert second.backend.attnhost_backend.decode_attention_backend_str is None
 
 
+def _ours_and_sglangs(case: DenseAttentionCase, mode: ForwardMode | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's output and SGLang's own torch_native's, on the very same pools and batch."""
+    with torch.no_grad():
+        fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+        batch, layer = fixture.forward_batch, fixture.actual_module.attn
+        if mode is not None:
+            batch.forward_mode = mode
+        sglang_backend = ATTENTION_BACKENDS["torch_native"](fixture.runner)
+        q, k, v = _qkv(fixture)
+        outputs = []
+        for backend in (fixture.backend, sglang_backend):
+            backend.init_forward_metadata(batch)
+            outputs.append(backend.forward(q, k, v, layer, batch))
+    return outputs[0], outputs[1]
+
+
 def test_a_decode_batch_computes_the_same_as_sglangs_torch_native() -> None:
     """Independent of the kit's reference: SGLang's own backend on the very same pools and batch."""
     case = DenseAttentionCase(
@@ -142,15 +158,7 @@ def test_a_decode_batch_computes_the_same_as_sglangs_torch_native() -> None:
         page_size=16,
         prefix_lens=(14, 15, 16),
     )
-    with torch.no_grad():
-        fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
-        sglang_backend = ATTENTION_BACKENDS["torch_native"](fixture.runner)
-        q, k, v = _qkv(fixture)
-        layer, batch = fixture.actual_module.attn, fixture.forward_batch
-        fixture.backend.init_forward_metadata(batch)
-        ours = fixture.backend.forward(q, k, v, layer, batch)
-        sglang_backend.init_forward_metadata(batch)
-        theirs = sglang_backend.forward(q, k, v, layer, batch)
+    ours, theirs = _ours_and_sglangs(case)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
@@ -166,15 +174,5 @@ def test_a_mixed_batch_computes_the_same_as_sglangs_torch_native() -> None:
         prefix_lens=(0, 15, 20),
         extend_lens=(9, 1, 1),
     )
-    with torch.no_grad():
-        fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
-        batch = fixture.forward_batch
-        batch.forward_mode = ForwardMode.MIXED
-        sglang_backend = ATTENTION_BACKENDS["torch_native"](fixture.runner)
-        q, k, v = _qkv(fixture)
-        layer = fixture.actual_module.attn
-        fixture.backend.init_forward_metadata(batch)
-        ours = fixture.backend.forward(q, k, v, layer, batch)
-        sglang_backend.init_forward_metadata(batch)
-        theirs = sglang_backend.forward(q, k, v, layer, batch)
+    ours, theirs = _ours_and_sglangs(case, ForwardMode.MIXED)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
