@@ -29,7 +29,7 @@ from typing import Any
 from attnhost.backend import BackendCapabilities, capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
 from attnhost.engines.sglang import OVERRIDE_ENV
-from attnhost.errors import BackendUnavailableError, printable
+from attnhost.errors import BackendUnavailableError, plugin_label
 from attnhost.host import default_host
 from attnhost.platform import current_platform
 
@@ -105,8 +105,7 @@ def _log_once(level: int, message: str) -> None:
 def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
     """The ``factory(model_runner)`` SGLang calls: loads the plugin's factory lazily, builds an adapter."""
     entry = backend.entry
-    origin = f"plugin {entry.plugin!r}" + (f", distribution {entry.distribution}" if entry.distribution else "")
-    origin = printable(origin)  # plugin text, bound for error messages
+    origin = plugin_label(entry.plugin, entry.distribution, entry.version)
 
     def create_attnhost_backend(model_runner: Any) -> Any:
         from attnhost.engines.sglang.adapter import SGLangAdapterBackend

@@ -66,7 +66,7 @@ from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabiliti
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.names import BACKENDS_MODULE
-from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host
@@ -461,7 +461,7 @@ def make_backend_class(engine_name: str, backend: ExportedBackend) -> type[Attnh
     at ``attnhost.engines.vllm.backends.<engine_name>``.
     """
     entry = backend.entry
-    origin = f"plugin {entry.plugin!r}" + (f", distribution {entry.distribution}" if entry.distribution else "")
+    origin = plugin_label(entry.plugin, entry.distribution, entry.version)
     try:
         factory = entry.spec.load()
     except Exception as exc:
