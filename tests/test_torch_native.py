@@ -129,6 +129,29 @@ def test_decode_after_prefill(heads: int, kv_heads: int) -> None:
         assert max_error(out, q, layer, batch) < F32_TOL
 
 
+@pytest.mark.parametrize("lens", [[5, 40, 40, 17, 1, 33], [20, 20, 20, 20]])
+@pytest.mark.parametrize("chunk_rows", [1 << 16, 64, 1])
+def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chunk_rows: int) -> None:
+    """Decode sorts requests by length into padded chunks: one chunk, several, or a request each."""
+    monkeypatch.setattr(torch_native, "_MAX_DECODE_CHUNK_ROWS", chunk_rows)
+    torch.manual_seed(11)
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, len(lens))
+    for r, n in zip(reqs, lens, strict=True):  # one request at a time: each request's slots are one run
+        run(backend, pool, ForwardMode.EXTEND, [(r, 0, n)], layer)
+    for step in range(2):  # the second step reads slots that are no longer one run
+        decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
+        out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
+        chunks = backend._plan.decode_chunks  # type: ignore[union-attr]
+        assert chunks is not None
+        expected_chunks = {1 << 16: 1, 64: None, 1: len(lens)}[chunk_rows]
+        assert expected_chunks is None or len(chunks) == expected_chunks
+        assert sum(chunk.count for chunk in chunks) == len(lens)
+        assert max_error(out, q, layer, batch) < F32_TOL
+
+
 def test_mixed_batch_of_different_lengths() -> None:
     torch.manual_seed(4)
     pool = make_pool(2)

@@ -7,6 +7,13 @@ per request plus the cache write.  Two measured choices shape the code:
 * The cache is token-major (``[slot, kv_head, dim]``).  A request whose slots
   form one ascending run is read through a zero-copy view; only fragmented
   requests pay for a gather.
+* Decode batches are attended in chunks, not request by request: each
+  chunk's key rows are gathered with one ``index_select`` (requests sorted
+  by length and padded, the padding masked) and attended with one batched
+  SDPA call.  A per-request loop pays a kernel launch, a thread-pool wake-up
+  and a poorly parallel SDPA (one request has only ``kv_heads`` units of
+  work) for every request of every layer; on fragmented slots that, not the
+  gather, dominated (BENCHMARKS.md, "SGLang bridge").
 * For GQA/MQA the ``group`` query heads that share a KV head are folded into
   the query-length axis (``[kv_heads, group * tokens, dim]``), so SDPA sees a
   plain multi-head problem.  On CPU ``enable_gqa=True`` falls back to a slow
@@ -40,6 +47,9 @@ _CAUSAL_MIN_TOKENS = 256
 # Largest folded mask (elements) worth materialising; beyond it the unfolded
 # [tokens, seq] mask with enable_gqa costs the same compute and less memory.
 _MAX_FOLDED_MASK = 1 << 25
+# Key rows one decode chunk gathers (per K and per V): bounds the scratch memory of a big batch, while
+# a chunk still holds enough requests to amortise the per-call cost. A longer request is a chunk alone.
+_MAX_DECODE_CHUNK_ROWS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -112,13 +122,35 @@ class _RequestPlan:
 
 
 @dataclass(slots=True)
+class _DecodeChunk:
+    """Decode requests attended by one SDPA call: where they sit in the batch, their padded key slots."""
+
+    rows: slice | torch.Tensor  # the requests' positions in the batch: a slice when consecutive
+    slots: torch.Tensor  # [count * width] cache slots; a shorter request repeats its last slot
+    count: int
+    width: int  # the longest request's keys
+    padding: torch.Tensor | None  # [count, 1, 1, width], True where a key is padding; None when there is none
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    """The additive mask (0 or -inf) SDPA gets, by query dtype; built on the first layer."""
+
+    def mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.padding is None:
+            return None
+        mask = self.masks.get(dtype)
+        if mask is None:
+            zeros = torch.zeros(self.padding.shape, dtype=dtype, device=self.padding.device)
+            mask = self.masks[dtype] = zeros.masked_fill(self.padding, float("-inf"))
+        return mask
+
+
+@dataclass(slots=True)
 class _BatchPlan:
     batch: ForwardBatch
     requests: list[_RequestPlan]
-    decode: bool = False
-    """Every request brings one token: the per-request loop can skip masks and most reshaping."""
+    decode_chunks: list[_DecodeChunk] | None = None
+    """Set when every request brings one token (unless one request reads a view): how they are attended."""
     longest_gather: int = 0
-    """Rows of the longest fragmented request (0: nothing is gathered); sizes the scratch."""
+    """Rows the largest gather writes (0: nothing is gathered); sizes the scratch."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
 
@@ -155,12 +187,13 @@ class TorchNativeAttnBackend(AttentionBackend):
                 strict=True,
             )
         ]
-        self._plan = _BatchPlan(
-            forward_batch,
-            plans,
-            decode=all(plan.q_len == 1 for plan in plans),
-            longest_gather=max((plan.seq_len for plan in plans if plan.kv_run is None), default=0),
-        )
+        lone_view = len(plans) == 1 and plans[0].kv_run is not None  # nothing to gather: a view is cheaper
+        if plans and not lone_view and all(plan.q_len == 1 for plan in plans):
+            chunks = _decode_chunks(table, rows, plans)
+            self._plan = _BatchPlan(forward_batch, plans, chunks, max(c.count * c.width for c in chunks))
+        else:
+            longest = max((plan.seq_len for plan in plans if plan.kv_run is None), default=0)
+            self._plan = _BatchPlan(forward_batch, plans, None, longest)
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
@@ -171,14 +204,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
-        if len(plan.requests) == 1:
+        if plan.decode_chunks is None and len(plan.requests) == 1:
             # SDPA's CPU flash kernel already lays its output out token-major,
             # so a lone request needs no copy into an output buffer.
             req = plan.requests[0]
             return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
         k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
-        if plan.decode:
-            return _decode(q, k_buffer, v_buffer, k_scratch, v_scratch, layer, plan.requests)
+        if plan.decode_chunks is not None:
+            assert k_scratch is not None and v_scratch is not None
+            return _decode(q, k_buffer, v_buffer, k_scratch, v_scratch, layer, plan.decode_chunks)
         # Requests are laid out in order in q, so their outputs are concatenated once at the
         # end (one kernel) rather than copied into an output tensor one by one. SDPA's
         # outputs are fresh tensors, so reusing the gather scratch for the next request is safe.
@@ -222,45 +256,82 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
     )
 
 
+def _decode_chunks(table: torch.Tensor, rows: list[int], plans: list[_RequestPlan]) -> list[_DecodeChunk]:
+    """Group a decode batch's requests into chunks of similar length, each gathered and attended at once.
+
+    Sorting by length keeps the padding small when lengths differ; a chunk
+    closes when its padded rows would pass ``_MAX_DECODE_CHUNK_ROWS``.
+    """
+    order = sorted(range(len(plans)), key=lambda i: plans[i].seq_len)
+    groups: list[list[int]] = [[]]
+    for i in order:
+        group = groups[-1]
+        if group and (len(group) + 1) * plans[i].seq_len > _MAX_DECODE_CHUNK_ROWS:
+            groups.append(group := [])
+        group.append(i)
+    chunks = []
+    for group in groups:
+        width = plans[group[-1]].seq_len
+        slots = torch.empty((len(group), width), dtype=table.dtype, device=table.device)
+        padding = torch.zeros((len(group), 1, 1, width), dtype=torch.bool, device=table.device)
+        for n, i in enumerate(group):
+            seq_len = plans[i].seq_len
+            slots[n, :seq_len] = table[rows[i], :seq_len]
+            slots[n, seq_len:] = slots[n, seq_len - 1]
+            padding[n, ..., seq_len:] = True
+        consecutive = group == list(range(group[0], group[0] + len(group)))
+        chunks.append(
+            _DecodeChunk(
+                rows=slice(group[0], group[0] + len(group))
+                if consecutive
+                else torch.tensor(group, device=table.device),
+                slots=slots.view(-1),
+                count=len(group),
+                width=width,
+                padding=padding if plans[group[0]].seq_len != width else None,
+            )
+        )
+    return chunks
+
+
 def _decode(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    k_scratch: torch.Tensor | None,
-    v_scratch: torch.Tensor | None,
+    k_scratch: torch.Tensor,
+    v_scratch: torch.Tensor,
     layer: AttentionLayer,
-    requests: list[_RequestPlan],
+    chunks: list[_DecodeChunk],
 ) -> torch.Tensor:
-    """Decode: one query per request, every key visible, so one SDPA call per request and little else.
+    """Decode: one query per request and every key visible, so a chunk is one gather and one SDPA call.
 
-    The head-major views of the cache (and of the gather scratch) and the
-    GQA-folded view of all queries (``[requests, kv_heads, q_per_kv, dim]``,
-    which is q's own memory order) are made once per layer; a request then
-    costs two slices (or a gather) and its SDPA call. This loop runs for
-    every request of every layer, so each tensor op saved here is measurable.
+    The queries are viewed GQA-folded (``[requests, kv_heads, q_per_kv,
+    dim]``, q's own memory order), so SDPA sees a plain multi-head problem
+    whose batch is the chunk's requests.
     """
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
-    queries = q.view(len(requests), kv_heads, layer.num_heads // kv_heads, dim)
-    k_heads, v_heads = k_buffer.transpose(0, 1).unsqueeze(0), v_buffer.transpose(0, 1).unsqueeze(0)
-    k_gathered = k_scratch.transpose(0, 1).unsqueeze(0) if k_scratch is not None else None
-    v_gathered = v_scratch.transpose(0, 1).unsqueeze(0) if v_scratch is not None else None
+    queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
     convert = k_buffer.dtype != q.dtype
-    sdpa, scale = F.scaled_dot_product_attention, layer.scaling
-    outputs = []
-    for i, req in enumerate(requests):
-        if req.kv_run is not None:
-            start, end = req.kv_run
-            k_h, v_h = k_heads[:, :, start:end], v_heads[:, :, start:end]
-        else:
-            assert req.kv_index is not None and k_scratch is not None and v_scratch is not None
-            assert k_gathered is not None and v_gathered is not None
-            torch.index_select(k_buffer, 0, req.kv_index, out=k_scratch[: req.seq_len])
-            torch.index_select(v_buffer, 0, req.kv_index, out=v_scratch[: req.seq_len])
-            k_h, v_h = k_gathered[:, :, : req.seq_len], v_gathered[:, :, : req.seq_len]
+    out = None if len(chunks) == 1 and isinstance(chunks[0].rows, slice) else torch.empty_like(queries)
+    for chunk in chunks:
+        count, width = chunk.count, chunk.width
+        rows = count * width
+        keys = torch.index_select(k_buffer, 0, chunk.slots, out=k_scratch[:rows])
+        values = torch.index_select(v_buffer, 0, chunk.slots, out=v_scratch[:rows])
+        keys = keys.view(count, width, kv_heads, dim).transpose(1, 2)
+        values = values.view(count, width, kv_heads, dim).transpose(1, 2)
         if convert:
-            k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
-        outputs.append(sdpa(queries[i : i + 1], k_h, v_h, scale=scale))
-    return torch.cat(outputs).view(len(requests), layer.num_heads, dim)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        mine = queries[chunk.rows] if isinstance(chunk.rows, slice) else queries.index_select(0, chunk.rows)
+        o = F.scaled_dot_product_attention(mine, keys, values, attn_mask=chunk.mask(q.dtype), scale=layer.scaling)
+        if out is None:
+            return o.view(-1, layer.num_heads, dim)
+        if isinstance(chunk.rows, slice):
+            out[chunk.rows] = o
+        else:
+            out.index_copy_(0, chunk.rows, o)
+    assert out is not None
+    return out.view(-1, layer.num_heads, dim)
 
 
 def _attend_request(
