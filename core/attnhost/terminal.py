@@ -1,13 +1,8 @@
 """Text laid out for the terminal it lands on: tables that fit its width, notes wrapped, plugin text defused.
 
-Operators read ``attnhost list`` in an 80-column SSH session as often as in
-a wide desktop terminal, and a table that wraps is unreadable. So every
-table is fitted: the columns named flexible give up width (their cells end
-in ``...``) until the row fits, and the last column wraps under itself
-instead of running off the edge. Every cell passes through
-:func:`attnhost.errors.printable` first, because names, versions,
-descriptions and error texts come from plugins, and a plugin's metadata must
-not be able to clear the screen.
+Operators read ``attnhost list`` in an 80-column SSH session as often as in a wide terminal, and a table
+that wraps is unreadable. Every cell passes through :func:`attnhost.errors.printable` first: names,
+versions, descriptions and error texts come from plugins, whose metadata must not clear the screen.
 """
 
 from __future__ import annotations
@@ -36,18 +31,18 @@ def shorten(text: str, width: int) -> str:
     """``text`` cut to ``width`` characters, ending in ``...`` when it was cut."""
     if len(text) <= width:
         return text
-    if width <= len(ELLIPSIS):
-        return text[:width]
-    return text[: width - len(ELLIPSIS)] + ELLIPSIS
+    return text[:width] if width <= len(ELLIPSIS) else text[: width - len(ELLIPSIS)] + ELLIPSIS
 
 
-def wrap(text: str, width: int, *, indent: str = "", hanging: str | None = None) -> list[str]:
-    """One paragraph wrapped to ``width``; continuation lines get ``hanging`` (default: ``indent``)."""
+def wrap(text: str, width: int | None, *, indent: str = "", hanging: str | None = None) -> list[str]:
+    """One paragraph wrapped to ``width`` (``None``: one line); continuation lines get ``hanging`` or line up."""
+    if width is None:
+        return [indent + printable(text)]
     lines = textwrap.wrap(
         printable(text),
         width=max(width, len(indent) + 10),
         initial_indent=indent,
-        subsequent_indent=indent if hanging is None else hanging,
+        subsequent_indent=" " * len(indent) if hanging is None else hanging,
         break_on_hyphens=False,
     )
     return lines or [indent.rstrip()]
@@ -67,28 +62,22 @@ def fit_table(
     still does not fit is cut, so no line is ever wider than ``width``.
     """
     table = [[printable(cell) for cell in row] for row in rows]
-    columns = len(table[0])
-    widths = [max(len(row[i]) for row in table) for i in range(columns)]
+    widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     gap = 2
     if width is not None:
         floor = {i: max(len(table[0][i]), len(ELLIPSIS) + 1) for i in flexible}
 
         def needed() -> int:
             last = min(widths[-1], MIN_LAST) if wrap_last else widths[-1]
-            return sum(widths[:-1]) + last + gap * (columns - 1)
+            return sum(widths[:-1]) + last + gap * (len(widths) - 1)
 
-        while needed() > width:
-            shrinkable = [i for i in flexible if widths[i] > floor[i]]
-            if not shrinkable:
-                break
-            widest = max(shrinkable, key=lambda i: widths[i])
-            widths[widest] -= 1
-    lead = sum(widths[:-1]) + gap * (columns - 1)
+        while needed() > width and (shrinkable := [i for i in flexible if widths[i] > floor[i]]):
+            widths[max(shrinkable, key=lambda i: widths[i])] -= 1  # the widest first
+    lead = sum(widths[:-1]) + gap * (len(widths) - 1)
     last_width = widths[-1] if width is None else max(width - lead, 10)
     lines: list[str] = []
     for row in table:
-        cells = [shorten(cell, widths[i]).ljust(widths[i]) for i, cell in enumerate(row[:-1])]
-        prefix = (" " * gap).join(cells) + (" " * gap if cells else "")
+        prefix = "".join(shorten(cell, widths[i]).ljust(widths[i]) + " " * gap for i, cell in enumerate(row[:-1]))
         last = row[-1]
         if width is None or len(last) <= last_width:
             lines.append((prefix + last).rstrip())
