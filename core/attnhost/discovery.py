@@ -57,8 +57,7 @@ logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
-BUILTIN_PLUGIN = "builtin"
-"""The built-in plugin's name: attnhost's own entry point ``builtin = attnhost_builtin``."""
+BUILTIN_PLUGIN = "builtin"  # attnhost's own entry point: builtin = attnhost_builtin
 BUILTIN_MODULE = "attnhost_builtin"
 SLOW_IMPORT_WARNING_S = 10.0
 """How long a plugin's import may run before one warning names it; the host keeps waiting either way."""
@@ -106,10 +105,7 @@ class PluginInfo:
 
 
 class ShorthandPlugin:
-    """An entry point naming an ``AttentionBackend`` subclass: a target- and draft-capable backend of that name.
-
-    The class is its own factory, and its docstring's first line its description.
-    """
+    """An entry point naming an ``AttentionBackend`` subclass: a target and draft backend of that name."""
 
     def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
         self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
@@ -125,24 +121,8 @@ class ShorthandPlugin:
         return [self.name]
 
 
-def as_plugin(name: str, obj: object) -> object:
-    """Wrap an ``AttentionBackend`` subclass as a shorthand plugin; anything else is taken as-is."""
-    # Looked up, not imported: until some module imports attnhost.backend, no object can be
-    # one of its subclasses, and discovery need not pay for importing it.
-    base: type[AttentionBackend] | None = getattr(sys.modules.get("attnhost.backend"), "AttentionBackend", None)
-    if base is None or not inspect.isclass(obj) or not issubclass(obj, base):
-        return obj
-    if inspect.isabstract(obj):
-        missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
-        raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
-    return ShorthandPlugin(name, obj)
-
-
 class GuardedPluginManager(pluggy.PluginManager):
-    """A pluggy manager whose every change to the plugin set goes through the host's guard.
-
-    SGLang silently ignored late registrations; the guard refuses them once the registry is frozen.
-    """
+    """A pluggy manager whose every change to the plugin set goes through the host's guard (refused once frozen)."""
 
     def __init__(self, guard: Callable[[str], AbstractContextManager[object]]) -> None:
         super().__init__(PROJECT_NAME)
@@ -169,12 +149,22 @@ class GuardedPluginManager(pluggy.PluginManager):
             return super().unblock(name)
 
 
-def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
-    """Register ``plugin`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
+def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
+    """Register ``obj`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
 
+    An ``AttentionBackend`` subclass becomes a :class:`ShorthandPlugin`; anything else is the plugin.
     Besides pluggy's signature checks, it rejects per plugin what ``check_pending`` would only catch
     globally (unknown hook names: typos), hook wrappers, and objects that implement no hook at all.
     """
+    # Looked up, not imported: until some module imports attnhost.backend, no object can be
+    # one of its subclasses, and discovery need not pay for importing it.
+    base: type[AttentionBackend] | None = getattr(sys.modules.get("attnhost.backend"), "AttentionBackend", None)
+    plugin = obj
+    if base is not None and inspect.isclass(obj) and issubclass(obj, base):
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+            raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
+        plugin = ShorthandPlugin(name, obj)
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
@@ -339,16 +329,13 @@ def load_entry_points(
     import difflib  # only on this warning's path
 
     found = sorted({record.name for record in records} | {BUILTIN_PLUGIN})
+    installed = ", ".join(found)
     missing = tuple(sorted(settings.allow.difference(found)))
-    for name in missing:
+    for name in missing:  # the logger escapes what a plugin's metadata put in the names
         close = difflib.get_close_matches(name, found, n=1)
-        hint = f"did you mean {printable(repr(close[0]))}?" if close else "check the spelling or install it"
+        hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
         logger.warning(
-            "%s names plugin %s, which is not installed; %s (installed plugins: %s)",
-            PLUGINS_ENV,
-            printable(repr(name)),
-            hint,
-            printable(", ".join(found)),
+            "%s names plugin %r, which is not installed; %s (installed plugins: %s)", PLUGINS_ENV, name, hint, installed
         )
     return DiscoveryResult(plugins, missing)
 
@@ -368,7 +355,6 @@ class _SlowImportWatch:
 
     @contextlib.contextmanager
     def importing(self, what: str) -> Iterator[None]:
-        """Watch the import run inside the ``with`` block; ``what`` is the warning if it runs long."""
         with self._cond:
             self._current = (what,)  # a fresh tuple per import: the watcher compares identities
             if self._thread is None or not self._thread.is_alive():
@@ -412,7 +398,7 @@ def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginIn
     except (Exception, SystemExit) as exc:
         return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}")
     try:
-        register_checked(pm, as_plugin(record.name, obj), record.name)
+        register_checked(pm, obj, record.name)
     except (PluginProblem, ValueError) as exc:  # ValueError: an invalid shorthand name, or a duplicate object
         return _fail(info, str(exc))
     except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it

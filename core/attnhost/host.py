@@ -22,7 +22,6 @@ from attnhost.discovery import (
     GuardedPluginManager,
     PluginInfo,
     PluginStatus,
-    as_plugin,
     load_entry_points,
     register_checked,
 )
@@ -119,7 +118,7 @@ class PluginHost:
         either lands before the freeze's build (and is in the frozen registry) or raises.
         """
         with self._lock:
-            self._check_not_frozen(what)
+            self._check(what)
             try:
                 yield
             finally:
@@ -132,7 +131,7 @@ class PluginHost:
             with self._lock:
                 registry = self._registry
                 if registry is None:
-                    self._check_not_loading("the backend registry was requested")
+                    self._check("the backend registry was requested", change=False)
                     registry = self._build()
         if self._strict_error is not None:
             raise self._strict_error
@@ -155,21 +154,17 @@ class PluginHost:
         finally:
             self._building = False
         registry, plugins = build_registry(contributions)
-        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks
-        # it, and its failure replaces its loaded record; a duplicate row of the same name, from another
-        # distribution, keeps its own.
-        failed = {
-            after.name: after
-            for before, after in zip(records, plugins, strict=True)
-            if before.status is PluginStatus.LOADED and after.status is PluginStatus.FAILED
-        }
-        for name in failed:
-            if pm.has_plugin(name):
-                pm.unregister(name=name)
-        self._discovered = [
-            failed.get(info.name, info) if info.status is PluginStatus.LOADED else info for info in self._discovered
-        ]
-        self._in_process.update((name, info) for name, info in failed.items() if name in self._in_process)
+        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it,
+        # and its failure replaces its loaded record (a duplicate row of the same name keeps its own).
+        for before, after in zip(records, plugins, strict=True):
+            if before.status is not PluginStatus.LOADED or after.status is not PluginStatus.FAILED:
+                continue
+            if pm.has_plugin(after.name):
+                pm.unregister(name=after.name)
+            if before in self._discovered:
+                self._discovered[self._discovered.index(before)] = after
+            elif after.name in self._in_process:
+                self._in_process[after.name] = after
         for warning in [warning for info in plugins for warning in info.warnings]:
             if warning not in self._logged:
                 self._logged.add(warning)
@@ -187,25 +182,21 @@ class PluginHost:
         return self._plugins
 
     def freeze(self, by: str = "the first ServerArgs") -> Registry:
-        """Freeze the registry (idempotent); from now on every registration raises, naming ``by``.
-
-        ``by`` is what needed the set of backends to stop moving (``the first ServerArgs``, an engine's
-        model runner); the first freeze's is kept.
-        """
+        """Freeze the registry (idempotent): every later registration raises, naming the first freeze's ``by``."""
         with self._lock:
             registry = self.registry()
             if self._frozen_by is None:
                 self._frozen_by = by
             return registry
 
-    def _check_not_loading(self, what: str) -> None:
-        """Refuse what a plugin may not do while the host is loading plugins or calling their hooks.
+    def _check(self, what: str, *, change: bool = True) -> None:
+        """Refuse a change to the plugin set once frozen, and what a plugin may not do mid-load or mid-build.
 
         Only the thread holding the lock gets here mid-load or mid-build: a plugin calling back into
-        attnhost from its import-time code (the registry is not complete) or from a hook (the registry
-        is being built from it). Failing that plugin beats recursing.
+        attnhost from its import-time code (the registry is not complete; a change is fine) or from a
+        hook (the registry is being built from it). Failing that plugin beats recursing.
         """
-        if self._loading is not None:
+        if self._loading is not None and not change:
             raise AttnhostError(
                 f"{what} while plugins are still being imported (by a plugin's import-time code); "
                 "read it after start-up, not when the plugin module is imported"
@@ -215,11 +206,7 @@ class PluginHost:
                 f"{what} from inside a plugin hook while the registry is being built from those hooks; "
                 "a hook must only return its answer"
             )
-
-    def _check_not_frozen(self, what: str) -> None:
-        if self._building:
-            self._check_not_loading(what)
-        if self._frozen_by is not None:
+        if change and self._frozen_by is not None:
             raise RegistryFrozenError(
                 f"{what} came after {self._frozen_by} froze the backend registry; declare it from a "
                 f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or do it before building ServerArgs "
@@ -231,7 +218,7 @@ class PluginHost:
         names = [names] if isinstance(names, str) else list(names)
         function = "add_draft_attention_backend_choices" if draft else "add_attention_backend_choices"
         with self._lock:
-            self._check_not_frozen(f"{function}({names!r})")
+            self._check(f"{function}({names!r})")
             for name in names:
                 check_backend_name(name)
             pm = self.plugin_manager()
@@ -244,12 +231,12 @@ class PluginHost:
         """Register a plugin object (or ``AttentionBackend`` subclass) in-process, before the freeze."""
         with self._lock:
             label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-            self._check_not_frozen(f"registering plugin {label!r}")
+            self._check(f"registering plugin {label!r}")
             pm = self.plugin_manager()
             if pm.has_plugin(label):
                 raise ValueError(f"a plugin named {label!r} is already registered; pass another name=")
             try:
-                register_checked(pm, as_plugin(label, plugin), label)
+                register_checked(pm, plugin, label)
             except PluginProblem as problem:
                 raise InvalidPluginError(f"plugin {label!r} {problem}") from None
             self._in_process[label] = _in_process_info(label, plugin)
