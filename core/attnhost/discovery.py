@@ -17,8 +17,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -98,10 +98,8 @@ class PluginInfo:
 
     def to_json(self) -> dict[str, Any]:
         """What ``--json`` shows: every field but the path entry it was found on."""
-        fields = ("name", "distribution", "version", "value", "status", "error", "backends", "warnings", "builtin")
-        out: dict[str, Any] = {name: getattr(self, name) for name in fields}
-        out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
-        return out
+        out = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "location"}
+        return out | {"status": self.status.value, "backends": list(self.backends), "warnings": list(self.warnings)}
 
 
 class ShorthandPlugin:
@@ -276,22 +274,15 @@ def way_out(info: PluginInfo) -> str:
     return f"fix or uninstall {info.distribution}, or leave it out with {PLUGINS_ENV}"
 
 
-class DiscoveryResult(NamedTuple):
-    """The plugins found, in registration order (built-ins first, then by name)."""
-
-    plugins: list[PluginInfo]
-    missing_allowed: tuple[str, ...]
-
-
 def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
-) -> DiscoveryResult:
+) -> list[PluginInfo]:
     """Register the built-in, then import and register the entry points the settings allow.
 
     The built-in is attnhost's own code: registered directly, first, under every setting, its
     provenance from its own entry point (:func:`is_own_declaration`). Any other entry point, whatever
     distribution it claims, is a third-party plugin under the settings, and one named ``builtin`` is a
-    collision. Never raises for a plugin's fault.
+    collision. Returns every plugin found, in registration order. Never raises for a plugin's fault.
     """
     own = next((record for record in records if is_own_declaration(record)), None)
     if own is None:  # discovery did not return it: the same declaration, made directly
@@ -325,19 +316,18 @@ def load_entry_points(
             info = taken[record.name] = _load_one(pm, record, info)
         plugins.append(info)
     if settings.allow is None:
-        return DiscoveryResult(plugins, ())
+        return plugins
     import difflib  # only on this warning's path
 
     found = sorted({record.name for record in records} | {BUILTIN_PLUGIN})
     installed = ", ".join(found)
-    missing = tuple(sorted(settings.allow.difference(found)))
-    for name in missing:  # the logger escapes what a plugin's metadata put in the names
+    for name in sorted(settings.allow.difference(found)):  # the logger escapes plugin text in the names
         close = difflib.get_close_matches(name, found, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
         logger.warning(
             "%s names plugin %r, which is not installed; %s (installed plugins: %s)", PLUGINS_ENV, name, hint, installed
         )
-    return DiscoveryResult(plugins, missing)
+    return plugins
 
 
 class _SlowImportWatch:

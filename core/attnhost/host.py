@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import pluggy
 
@@ -44,12 +44,11 @@ __all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
-DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
-"""The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
-
 
 class _DeclaredNames:
     """The in-process plugin behind ``add_attention_backend_choices`` and friends."""
+
+    NAME = "<add_attention_backend_choices>"  # no entry point can plausibly take it
 
     def __init__(self) -> None:
         # dicts as ordered sets: adding n names one call at a time stays linear
@@ -76,7 +75,6 @@ class PluginHost:
         """The manager being filled while entry points are imported (re-entrant calls get it)."""
         self._building = False
         self._discovered: list[PluginInfo] = []
-        self._missing_allowed: tuple[str, ...] = ()
         self._in_process: dict[str, PluginInfo] = {}
         self._declared = _DeclaredNames()
         self._registry: Registry | None = None
@@ -103,11 +101,10 @@ class PluginHost:
             load = LoadSettings.from_env()  # read before any plugin code runs, kept for the process
             try:
                 records = entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
-                self._discovered, self._missing_allowed = load_entry_points(pm, records, load)
+                self._discovered = load_entry_points(pm, records, load)
             finally:
                 self._loading = None
             self._pm = pm
-            self._registry = None
             return pm
 
     @contextlib.contextmanager
@@ -129,10 +126,8 @@ class PluginHost:
         registry = self._registry
         if registry is None:
             with self._lock:
-                registry = self._registry
-                if registry is None:
-                    self._check("the backend registry was requested", change=False)
-                    registry = self._build()
+                self._check("the backend registry was requested", change=False)
+                registry = self._build() if self._registry is None else self._registry
         if self._strict_error is not None:
             raise self._strict_error
         return registry
@@ -171,7 +166,9 @@ class PluginHost:
                 logger.warning("%s", warning)
         self._plugins = tuple(plugins)
         self._registry = registry
-        self._strict_error = _strict_error(plugins, self._missing_allowed) if LoadSettings.from_env().strict else None
+        load = LoadSettings.from_env()
+        missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
+        self._strict_error = _strict_error(plugins, missing) if load.strict else None
         return registry
 
     def plugins(self) -> tuple[PluginInfo, ...]:
@@ -185,8 +182,7 @@ class PluginHost:
         """Freeze the registry (idempotent): every later registration raises, naming the first freeze's ``by``."""
         with self._lock:
             registry = self.registry()
-            if self._frozen_by is None:
-                self._frozen_by = by
+            self._frozen_by = self._frozen_by or by
             return registry
 
     def _check(self, what: str, *, change: bool = True) -> None:
@@ -224,7 +220,7 @@ class PluginHost:
             pm = self.plugin_manager()
             (self._declared.draft if draft else self._declared.target).update(dict.fromkeys(names))
             if not pm.is_registered(self._declared):
-                pm.register(self._declared, name=DECLARED_NAMES_PLUGIN)
+                pm.register(self._declared, name=_DeclaredNames.NAME)
             self._registry = None
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
@@ -243,12 +239,10 @@ class PluginHost:
             return label
 
     def _after_fork_in_child(self) -> None:
-        # The child inherits loaded modules and a consistent registry; only the lock
-        # may have been held by a thread that no longer exists.
+        # Only the lock may have been held by a thread that does not exist here; forked while one was
+        # mid-load or mid-build, start that step over rather than serve its half-finished state.
         self._lock = threading.RLock()
         if self._loading is not None or self._building:
-            # Forked while another thread was mid-load or mid-build: that thread does not exist
-            # here, so start that step over rather than serve its half-finished state.
             self._loading = None
             self._building = False
             self._registry = None
@@ -261,8 +255,9 @@ def _in_process_info(name: str, plugin: object) -> PluginInfo:
     return PluginInfo(name=name, distribution=None, version=None, value=value, status=PluginStatus.LOADED)
 
 
-def _strict_error(plugins: Iterable[PluginInfo], missing_allowed: Iterable[str]) -> PluginLoadError | None:
-    parts = [f"{info.origin}: {info.error}" for info in plugins if info.status in ("failed", "duplicate")]
+def _strict_error(plugins: Sequence[PluginInfo], missing_allowed: Iterable[str]) -> PluginLoadError | None:
+    failed = [info for info in plugins if info.status in (PluginStatus.FAILED, PluginStatus.DUPLICATE)]
+    parts = [f"{info.origin}: {info.error}" for info in failed]
     parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
     parts += [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing_allowed]
     if not parts:
