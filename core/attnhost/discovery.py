@@ -61,6 +61,7 @@ BUILTIN_PLUGIN = "builtin"  # attnhost's own entry point: builtin = attnhost_bui
 BUILTIN_MODULE = "attnhost_builtin"
 SLOW_IMPORT_WARNING_S = 10.0
 """How long a plugin's import may run before one warning names it; the host keeps waiting either way."""
+_PACKAGE: Any = sys.modules[__name__.rpartition(".")[0]]  # attnhost itself: its parent, not re-imported (layers)
 
 
 class PluginStatus(enum.StrEnum):
@@ -108,7 +109,8 @@ class ShorthandPlugin:
     def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
         self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
         self.backend_class = backend_class
-        self.description = (inspect.getdoc(backend_class) or "").strip().partition("\n")[0]
+        doc = (inspect.getdoc(backend_class) or "").strip()
+        self.description = doc.splitlines()[0] if doc else ""
 
     @hookimpl
     def attnhost_attention_backends(self) -> list[BackendSpec]:
@@ -220,7 +222,7 @@ def _installed_this_attnhost(source: str) -> bool:
     develop egg-info's ``SOURCES.txt`` lists the very ``attnhost/__init__.py`` imported here, or an
     editable install's ``direct_url.json`` names the source tree it is imported from.
     """
-    here = os.path.realpath(_attnhost_package().__file__ or "")
+    here = os.path.realpath(_PACKAGE.__file__)
     site = os.path.dirname(os.path.abspath(source))
     for line in (_read(source, "RECORD") + _read(source, "SOURCES.txt")).splitlines():
         listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
@@ -237,9 +239,9 @@ def _installed_this_attnhost(source: str) -> bool:
         data = json.loads(direct)
         url = urlsplit(data["url"])
         editable = bool(data.get("dir_info", {}).get("editable"))
+        tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
     except (ValueError, KeyError, TypeError, AttributeError):
         return False
-    tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
     return editable and url.scheme == "file" and here.startswith(tree)
 
 
@@ -247,11 +249,6 @@ def is_own_declaration(record: EntryPointRecord) -> bool:
     """Whether *record* is attnhost's own entry point for its built-in plugin (decided by where it is installed)."""
     own = (record.name, record.value) == (BUILTIN_PLUGIN, BUILTIN_MODULE)
     return own and bool(record.source) and _installed_this_attnhost(record.source)
-
-
-def _attnhost_package() -> Any:
-    """attnhost's own package, already imported as this module's parent (not re-imported: layers go down)."""
-    return sys.modules[__name__.rpartition(".")[0]]
 
 
 def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
@@ -286,10 +283,9 @@ def load_entry_points(
     """
     own = next((record for record in records if is_own_declaration(record)), None)
     if own is None:  # discovery did not return it: the same declaration, made directly
-        package = _attnhost_package()
-        location = os.path.dirname(os.path.dirname(os.path.abspath(package.__file__ or "")))
+        location = os.path.dirname(os.path.dirname(os.path.abspath(_PACKAGE.__file__)))
         own = EntryPointRecord(
-            BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", package.__version__, location
+            BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, location
         )
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]

@@ -213,21 +213,18 @@ class PluginHost:
         """SGLang's ``add_*_attention_backend_choices``: name-only additions, before the freeze."""
         names = [names] if isinstance(names, str) else list(names)
         function = "add_draft_attention_backend_choices" if draft else "add_attention_backend_choices"
-        with self._lock:
-            self._check(f"{function}({names!r})")
+        with self._change(f"{function}({names!r})"):
             for name in names:
                 check_backend_name(name)
             pm = self.plugin_manager()
             (self._declared.draft if draft else self._declared.target).update(dict.fromkeys(names))
             if not pm.is_registered(self._declared):
                 pm.register(self._declared, name=_DeclaredNames.NAME)
-            self._registry = None
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register a plugin object (or ``AttentionBackend`` subclass) in-process, before the freeze."""
-        with self._lock:
-            label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-            self._check(f"registering plugin {label!r}")
+        label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        with self._change(f"registering plugin {label!r}"):
             pm = self.plugin_manager()
             if pm.has_plugin(label):
                 raise ValueError(f"a plugin named {label!r} is already registered; pass another name=")
