@@ -30,14 +30,6 @@ class Availability(NamedTuple):
         return self.summary or self.reason
 
 
-def _install_hint(entry: BackendEntry) -> str:
-    if entry.spec.provided_by:
-        return f"pip install {printable(entry.spec.provided_by)}"
-    if entry.distribution:
-        return f"reinstall {printable(entry.distribution)}"
-    return "install the package that provides it"
-
-
 def check_availability(entry: BackendEntry, platform: str) -> Availability:
     """Available means: implemented, meant for ``platform``, and its modules importable."""
     spec = entry.spec
@@ -54,4 +46,10 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
         missing = [f"factory module {spec.factory_module!r}"]
     if not missing:
         return Availability(True)
-    return Availability(False, f"{missing[0]} is not installed ({_install_hint(entry)})")
+    if spec.provided_by:
+        fix = f"pip install {printable(spec.provided_by)}"
+    elif entry.distribution:
+        fix = f"reinstall {printable(entry.distribution)}"
+    else:
+        fix = "install the package that provides it"
+    return Availability(False, f"{missing[0]} is not installed ({fix})")
