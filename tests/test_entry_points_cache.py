@@ -457,8 +457,8 @@ def test_a_forged_builtin_is_not_imported_even_with_autoload_disabled(site: Path
         from attnhost.discovery import GuardedPluginManager, load_entry_points
         from attnhost.settings import LoadSettings
         pm = GuardedPluginManager(lambda what: contextlib.nullcontext())
-        result = load_entry_points(pm, E.scan("sglang.draft_attention_backends"), LoadSettings.from_env())
-        print(json.dumps({p.name: p.status.value for p in result.plugins}))
+        plugins = load_entry_points(pm, E.scan("sglang.draft_attention_backends"), LoadSettings.from_env())
+        print(json.dumps({p.name: p.status.value for p in plugins}))
         """
     )
     out = _run_child(code, site, xdg, {"ATTNHOST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": CORE})

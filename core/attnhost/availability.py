@@ -27,16 +27,7 @@ class Availability(NamedTuple):
 
     @property
     def short(self) -> str | None:
-        """``summary`` if there is one, else ``reason``."""
         return self.summary or self.reason
-
-
-def _install_hint(entry: BackendEntry) -> str:
-    if entry.spec.provided_by:
-        return f"pip install {printable(entry.spec.provided_by)}"
-    if entry.distribution:
-        return f"reinstall {printable(entry.distribution)}"
-    return "install the package that provides it"
 
 
 def check_availability(entry: BackendEntry, platform: str) -> Availability:
@@ -50,9 +41,15 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
         return Availability(False, summary + builds_on, summary)
     if spec.platforms and platform not in spec.platforms:
         return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
-    missing = [module for module in spec.requires if not module_installed(module)]
-    if missing:
-        return Availability(False, f"module {missing[0]!r} is not installed ({_install_hint(entry)})")
-    if isinstance(spec.factory, str) and not module_installed(spec.factory_module or ""):
-        return Availability(False, f"factory module {spec.factory_module!r} is not installed ({_install_hint(entry)})")
-    return Availability(True)
+    missing = [f"module {module!r}" for module in spec.requires if not module_installed(module)]
+    if not missing and isinstance(spec.factory, str) and not module_installed(spec.factory_module or ""):
+        missing = [f"factory module {spec.factory_module!r}"]
+    if not missing:
+        return Availability(True)
+    if spec.provided_by:
+        fix = f"pip install {printable(spec.provided_by)}"
+    elif entry.distribution:
+        fix = f"reinstall {printable(entry.distribution)}"
+    else:
+        fix = "install the package that provides it"
+    return Availability(False, f"{missing[0]} is not installed ({fix})")

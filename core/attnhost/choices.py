@@ -26,11 +26,10 @@ __all__ = [
 class BackendChoices(Sequence[str]):
     """A read-only, always-current sequence of backend names of one role."""
 
-    __slots__ = ("_function", "_role")
+    __slots__ = ("_role",)
 
-    def __init__(self, role: Role, function: str) -> None:
+    def __init__(self, role: Role) -> None:
         self._role = role
-        self._function = function
 
     def _names(self) -> tuple[str, ...]:
         return get_registry().names(self._role)
@@ -49,9 +48,7 @@ class BackendChoices(Sequence[str]):
         return name in self._names()
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, BackendChoices):
-            return self._names() == other._names()
-        if isinstance(other, (list, tuple)):
+        if isinstance(other, (BackendChoices, list, tuple)):
             return list(self._names()) == list(other)
         return NotImplemented
 
@@ -62,17 +59,17 @@ class BackendChoices(Sequence[str]):
         return repr(list(self._names()))
 
     def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        function = "add_draft_attention_backend_choices" if self._role == "draft" else "add_attention_backend_choices"
         raise TypeError(
-            f"backend choices are read-only; register names with attnhost.{self._function}() "
-            "or from a plugin entry point"
+            f"backend choices are read-only; register names with attnhost.{function}() or from a plugin entry point"
         )
 
     append = extend = insert = remove = pop = clear = sort = reverse = _refuse
     __setitem__ = __delitem__ = __iadd__ = _refuse
 
 
-ATTENTION_BACKEND_CHOICES = BackendChoices("target", "add_attention_backend_choices")
-DRAFT_ATTENTION_BACKEND_CHOICES = BackendChoices("draft", "add_draft_attention_backend_choices")
+ATTENTION_BACKEND_CHOICES = BackendChoices("target")
+DRAFT_ATTENTION_BACKEND_CHOICES = BackendChoices("draft")
 
 
 def add_attention_backend_choices(names: Iterable[str]) -> None:

@@ -1,10 +1,8 @@
-"""Turn installed entry points into registered pluggy plugins, one verdict per plugin.
+"""Turn installed entry points into registered pluggy plugins, one verdict (:class:`PluginInfo`) per plugin.
 
-Every entry point ends in exactly one :class:`PluginInfo`: loaded, or the
-reason it is not (failed, blocked, not allowed, duplicate). A plugin is other
-people's code running at start-up, so nothing a plugin does here may escape
-as an exception: it becomes a ``failed`` record and one warning line naming
-the plugin, its distribution and the cause.
+A plugin is other people's code running at start-up, so nothing a plugin does
+here may escape as an exception: it becomes a ``failed`` record and one warning
+line naming the plugin, its distribution and the cause.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -41,7 +38,6 @@ from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = [
-    "BUILTIN_DISTRIBUTION",
     "BUILTIN_MODULE",
     "BUILTIN_PLUGIN",
     "ENTRY_POINT_GROUP",
@@ -49,7 +45,6 @@ __all__ = [
     "GuardedPluginManager",
     "PluginInfo",
     "PluginStatus",
-    "ShorthandPlugin",
     "load_entry_points",
     "register_checked",
     "way_out",
@@ -62,12 +57,11 @@ logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
-BUILTIN_DISTRIBUTION = "attnhost"
-BUILTIN_PLUGIN = "builtin"
-"""The built-in plugin's name: attnhost's own entry point ``builtin = attnhost_builtin``."""
+BUILTIN_PLUGIN = "builtin"  # attnhost's own entry point: builtin = attnhost_builtin
 BUILTIN_MODULE = "attnhost_builtin"
 SLOW_IMPORT_WARNING_S = 10.0
 """How long a plugin's import may run before one warning names it; the host keeps waiting either way."""
+_PACKAGE: Any = sys.modules[__name__.rpartition(".")[0]]  # attnhost itself: its parent, not re-imported (layers)
 
 
 class PluginStatus(enum.StrEnum):
@@ -105,27 +99,18 @@ class PluginInfo:
 
     def to_json(self) -> dict[str, Any]:
         """What ``--json`` shows: every field but the path entry it was found on."""
-        fields = ("name", "distribution", "version", "value", "status", "error", "backends", "warnings", "builtin")
-        out: dict[str, Any] = {name: getattr(self, name) for name in fields}
-        out.update(status=self.status.value, backends=list(self.backends), warnings=list(self.warnings))
-        return out
+        out = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "location"}
+        return out | {"status": self.status.value, "backends": list(self.backends), "warnings": list(self.warnings)}
 
 
 class ShorthandPlugin:
-    """The one-line form: an entry point naming an ``AttentionBackend`` subclass.
-
-    It becomes a target- and draft-capable backend named after the entry point;
-    the class is its own factory, and its docstring's first line its description.
-    """
+    """An entry point naming an ``AttentionBackend`` subclass: a target and draft backend of that name."""
 
     def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
         self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
         self.backend_class = backend_class
-        doc = inspect.getdoc(backend_class) or ""
-        self.description = doc.strip().splitlines()[0] if doc.strip() else ""
-
-    def __repr__(self) -> str:
-        return f"<ShorthandPlugin {self.name!r}: {self.backend_class.__module__}.{self.backend_class.__qualname__}>"
+        doc = (inspect.getdoc(backend_class) or "").strip()
+        self.description = doc.splitlines()[0] if doc else ""
 
     @hookimpl
     def attnhost_attention_backends(self) -> list[BackendSpec]:
@@ -136,28 +121,8 @@ class ShorthandPlugin:
         return [self.name]
 
 
-def as_plugin(name: str, obj: object) -> object:
-    """Wrap an ``AttentionBackend`` subclass as a shorthand plugin; anything else is taken as-is."""
-    # Looked up, not imported: until some module imports attnhost.backend, no object can be
-    # one of its subclasses, and discovery need not pay for importing it.
-    backend_module = sys.modules.get("attnhost.backend")
-    base: type[AttentionBackend] | None = getattr(backend_module, "AttentionBackend", None)
-    if base is not None and inspect.isclass(obj) and issubclass(obj, base):
-        if inspect.isabstract(obj):
-            missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
-            raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
-        return ShorthandPlugin(name, obj)
-    return obj
-
-
 class GuardedPluginManager(pluggy.PluginManager):
-    """A pluggy manager whose every change to the plugin set goes through the host's guard.
-
-    SGLang's late registrations were silently ignored; here the guard takes
-    the host's lock, refuses the change once the registry is frozen (raising
-    ``RegistryFrozenError``), and marks the registry stale after it, so no
-    thread can slip a plugin in between a freeze's check and its build.
-    """
+    """A pluggy manager whose every change to the plugin set goes through the host's guard (refused once frozen)."""
 
     def __init__(self, guard: Callable[[str], AbstractContextManager[object]]) -> None:
         super().__init__(PROJECT_NAME)
@@ -165,8 +130,7 @@ class GuardedPluginManager(pluggy.PluginManager):
         self.add_hookspecs(AttnhostHookSpecs)
 
     def _label(self, plugin: object | None, name: str | None) -> str:
-        label = name if name is not None else self.get_canonical_name(plugin) if plugin is not None else "?"
-        return printable(repr(label))
+        return printable(repr(name or self.get_canonical_name(plugin)))
 
     def register(self, plugin: object, name: str | None = None) -> str | None:
         with self._guard(f"registering plugin {self._label(plugin, name)}"):
@@ -185,26 +149,22 @@ class GuardedPluginManager(pluggy.PluginManager):
             return super().unblock(name)
 
 
-def _unknown_hook_message(hook_name: str) -> str:
-    import difflib  # only on this error path
+def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
+    """Register ``obj`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
 
-    close = difflib.get_close_matches(hook_name, HOOK_NAMES, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"implements unknown hook {hook_name!r}; {hint}known hooks: {', '.join(HOOK_NAMES)}"
-
-
-def _undecorated_hooks(plugin: object) -> list[str]:
-    names = [n for n in dir(plugin) if n.startswith("attnhost_")]
-    return [n for n in names if callable(getattr(plugin, n, None))]
-
-
-def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> None:
-    """Register ``plugin`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
-
-    Besides pluggy's signature validation this rejects, per plugin, what
-    ``check_pending`` would only catch globally: unknown hook names (typos)
-    and objects that implement no hook at all.
+    An ``AttentionBackend`` subclass becomes a :class:`ShorthandPlugin`; anything else is the plugin.
+    Besides pluggy's signature checks, it rejects per plugin what ``check_pending`` would only catch
+    globally (unknown hook names: typos), hook wrappers, and objects that implement no hook at all.
     """
+    # Looked up, not imported: until some module imports attnhost.backend, no object can be
+    # one of its subclasses, and discovery need not pay for importing it.
+    base: type[AttentionBackend] | None = getattr(sys.modules.get("attnhost.backend"), "AttentionBackend", None)
+    plugin = obj
+    if base is not None and inspect.isclass(obj) and issubclass(obj, base):
+        if inspect.isabstract(obj):
+            missing = ", ".join(sorted(getattr(obj, "__abstractmethods__", ())))
+            raise PluginProblem(f"the backend class {obj.__qualname__} is abstract (does not implement {missing})")
+        plugin = ShorthandPlugin(name, obj)
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
@@ -215,24 +175,27 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
         raise PluginProblem(f"has an invalid hook implementation: {detail}") from None
     callers = pm.get_hookcallers(plugin) or []
     unknown = sorted(caller.name for caller in callers if not caller.has_spec())
-    if unknown:
-        pm.unregister(name=name)
-        raise PluginProblem(_unknown_hook_message(unknown[0]))
     wrappers = sorted(
         caller.name
         for caller in callers
         for impl in caller.get_hookimpls()
         if impl.plugin is plugin and (impl.wrapper or impl.hookwrapper)
     )
-    if wrappers:
+    if unknown or wrappers or not callers:
         pm.unregister(name=name)
+    if unknown:
+        import difflib  # only on this error path
+
+        close = difflib.get_close_matches(unknown[0], HOOK_NAMES, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise PluginProblem(f"implements unknown hook {unknown[0]!r}; {hint}known hooks: {', '.join(HOOK_NAMES)}")
+    if wrappers:
         raise PluginProblem(
             f"implements {wrappers[0]} as a wrapper; attnhost asks every plugin for its own answer "
             "(to name who gave it), so implement it as a plain @attnhost.hookimpl"
         )
     if not callers:
-        pm.unregister(name=name)
-        undecorated = _undecorated_hooks(plugin)
+        undecorated = [n for n in dir(plugin) if n.startswith("attnhost_") and callable(getattr(plugin, n, None))]
         if undecorated:
             raise PluginProblem(
                 f"defines {', '.join(undecorated)} without the @attnhost.hookimpl decorator, so it implements no hook"
@@ -243,91 +206,54 @@ def register_checked(pm: pluggy.PluginManager, plugin: object, name: str) -> Non
         )
 
 
-def _read_small(path: str) -> str | None:
+def _read(source: str, name: str) -> str:
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(os.path.join(source, name), encoding="utf-8") as handle:
             return handle.read(1 << 20)
     except (OSError, ValueError):
-        return None
+        return ""
 
 
 @functools.cache
 def _installed_this_attnhost(source: str) -> bool:
     """Whether the metadata directory *source* is the one that installed the ``attnhost`` imported here.
 
-    Where, not what: a wheel install's ``RECORD`` (or a develop egg-info's
-    ``SOURCES.txt``) lists the very ``attnhost/__init__.py`` this process
-    imported; an editable install's ``direct_url.json`` names the source tree
-    it is imported from. A ``METADATA`` name proves nothing, since any
-    distribution can claim one.
+    Where, not what (any distribution can claim the name ``attnhost``): a wheel's ``RECORD`` or a
+    develop egg-info's ``SOURCES.txt`` lists the very ``attnhost/__init__.py`` imported here, or an
+    editable install's ``direct_url.json`` names the source tree it is imported from.
     """
-    here = os.path.realpath(_attnhost_package().__file__ or "")
+    here = os.path.realpath(_PACKAGE.__file__)
     site = os.path.dirname(os.path.abspath(source))
-    # RECORD: a wheel install; SOURCES.txt: an egg-info next to the source tree (``setup.py develop``, builds).
-    listing = (_read_small(os.path.join(source, "RECORD")) or "") + (
-        _read_small(os.path.join(source, "SOURCES.txt")) or ""
-    )
-    for line in listing.splitlines():
+    for line in (_read(source, "RECORD") + _read(source, "SOURCES.txt")).splitlines():
         listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
         ours = listed.replace("\\", "/").endswith("attnhost/__init__.py")
         if ours and os.path.realpath(os.path.join(site, listed)) == here:
             return True
-    direct = _read_small(os.path.join(source, "direct_url.json"))
-    if direct and '"editable"' in direct:
-        import json
-        from urllib.parse import unquote, urlsplit
+    direct = _read(source, "direct_url.json")
+    if '"editable"' not in direct:
+        return False
+    import json
+    from urllib.parse import unquote, urlsplit
 
-        try:
-            data = json.loads(direct)
-            url = urlsplit(data["url"])
-            editable = bool(data.get("dir_info", {}).get("editable"))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False
-        if editable and url.scheme == "file":
-            tree = os.path.realpath(unquote(url.path))
-            return here.startswith(tree.rstrip(os.sep) + os.sep)
-    return False
+    try:
+        data = json.loads(direct)
+        url = urlsplit(data["url"])
+        editable = bool(data.get("dir_info", {}).get("editable"))
+        tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return editable and url.scheme == "file" and here.startswith(tree)
 
 
 def is_own_declaration(record: EntryPointRecord) -> bool:
     """Whether *record* is attnhost's own entry point for its built-in plugin (decided by where it is installed)."""
-    return (
-        record.name == BUILTIN_PLUGIN
-        and record.value == BUILTIN_MODULE
-        and bool(record.source)
-        and _installed_this_attnhost(record.source)
-    )
+    own = (record.name, record.value) == (BUILTIN_PLUGIN, BUILTIN_MODULE)
+    return own and bool(record.source) and _installed_this_attnhost(record.source)
 
 
-def _builtin_record(own: EntryPointRecord | None) -> EntryPointRecord:
-    """The built-in's own entry point, or the same declaration made directly when discovery did not return it."""
-    if own is not None:
-        return own
-    package = _attnhost_package()
-    location = os.path.dirname(os.path.dirname(os.path.abspath(package.__file__ or "")))
-    return EntryPointRecord(
-        BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, BUILTIN_DISTRIBUTION, package.__version__, location
-    )
-
-
-def _attnhost_package() -> Any:
-    """attnhost's own package, already imported as this module's parent (not re-imported: layers go down)."""
-    return sys.modules[__name__.rpartition(".")[0]]
-
-
-def _info(
-    record: EntryPointRecord, status: PluginStatus, error: str | None = None, builtin: bool = False
-) -> PluginInfo:
-    return PluginInfo(
-        name=record.name,
-        distribution=record.distribution,
-        version=record.version,
-        value=record.value,
-        status=status,
-        error=error,
-        builtin=builtin,
-        location=record.location,
-    )
+def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
+    provenance = (record.name, record.distribution, record.version, record.value)
+    return PluginInfo(*provenance, PluginStatus.LOADED, builtin=builtin, location=record.location)
 
 
 def _fail(info: PluginInfo, cause: str) -> PluginInfo:
@@ -345,106 +271,76 @@ def way_out(info: PluginInfo) -> str:
     return f"fix or uninstall {info.distribution}, or leave it out with {PLUGINS_ENV}"
 
 
-@dataclass
-class DiscoveryResult:
-    """The plugins found, in registration order (built-ins first, then by name)."""
-
-    plugins: list[PluginInfo] = field(default_factory=list)
-    missing_allowed: tuple[str, ...] = ()
-
-
 def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
-) -> DiscoveryResult:
+) -> list[PluginInfo]:
     """Register the built-in, then import and register the entry points the settings allow.
 
-    The built-in plugin is registered directly, always first and under every
-    setting: it is attnhost's own code, found where attnhost is installed. Its
-    own entry point (:func:`is_own_declaration`) gives its provenance; any
-    other entry point, whatever distribution name it claims, is a third-party
-    plugin under ``ATTNHOST_PLUGINS`` and ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD``,
-    and one named ``builtin`` (for anything but the built-in's own module) is a
-    collision. Never raises for a plugin's fault.
+    The built-in is attnhost's own code: registered directly, first, under every setting, its
+    provenance from its own entry point (:func:`is_own_declaration`). Any other entry point, whatever
+    distribution it claims, is a third-party plugin under the settings, and one named ``builtin`` is a
+    collision. Returns every plugin found, in registration order. Never raises for a plugin's fault.
     """
     own = next((record for record in records if is_own_declaration(record)), None)
-    builtin = _builtin_record(own)
-    result = DiscoveryResult()
-    taken: dict[str, PluginInfo] = {
-        BUILTIN_PLUGIN: _load_one(pm, builtin, _info(builtin, PluginStatus.LOADED, builtin=True))
-    }
-    result.plugins.append(taken[BUILTIN_PLUGIN])
+    if own is None:  # discovery did not return it: the same declaration, made directly
+        location = os.path.dirname(os.path.dirname(os.path.abspath(_PACKAGE.__file__)))
+        own = EntryPointRecord(
+            BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, location
+        )
+    taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
+    plugins = [taken[BUILTIN_PLUGIN]]
     # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
     # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
     others = [r for r in records if r is not own and (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
-    ordered = sorted(others, key=lambda r: (r.name, normalize_name(r.distribution)))
-    for record in ordered:
-        info = _info(record, PluginStatus.LOADED)
+    for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
+        info = _info(record)
         if record.name in taken:
             owner = taken[record.name]
             holder = "attnhost's built-in plugin" if owner.builtin else f"distribution {owner.distribution}"
-            info = replace(
-                info,
-                status=PluginStatus.DUPLICATE,
-                error=f"plugin name {record.name!r} is already taken by {holder}",
-            )
+            error = f"plugin name {record.name!r} is already taken by {holder}"
+            info = replace(info, status=PluginStatus.DUPLICATE, error=error)
             logger.warning(
                 "%s was not loaded: %s; rename one of the entry points or uninstall one distribution",
                 info.origin,
-                info.error,
+                error,
             )
         elif not settings.autoload:
             info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
         elif settings.allow is not None and record.name not in settings.allow:
             info = replace(info, status=PluginStatus.NOT_ALLOWED, error=f"not named in {PLUGINS_ENV}")
         else:
-            info = _load_one(pm, record, info)
-            taken[record.name] = info
-        result.plugins.append(info)
-    if settings.allow is not None:
-        found = {record.name for record in records} | {BUILTIN_PLUGIN}
-        missing = tuple(sorted(settings.allow - found))
-        for name in missing:
-            logger.warning("%s", _not_installed_message(name, found))
-        result.missing_allowed = missing
-    return result
-
-
-def _not_installed_message(name: str, installed: set[str]) -> str:
-    """``ATTNHOST_PLUGINS names plugin 'x', which is not installed; did you mean 'y'? ...``"""
+            info = taken[record.name] = _load_one(pm, record, info)
+        plugins.append(info)
+    if settings.allow is None:
+        return plugins
     import difflib  # only on this warning's path
 
-    close = difflib.get_close_matches(name, sorted(installed), n=1)
-    hint = f"did you mean {printable(repr(close[0]))}?" if close else "check the spelling or install it"
-    return (
-        f"{PLUGINS_ENV} names plugin {printable(repr(name))}, which is not installed; {hint} "
-        f"(installed plugins: {printable(', '.join(sorted(installed))) or 'none'})"
-    )
+    found = sorted({record.name for record in records} | {BUILTIN_PLUGIN})
+    installed = ", ".join(found)
+    for name in sorted(settings.allow.difference(found)):  # the logger escapes plugin text in the names
+        close = difflib.get_close_matches(name, found, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
+        logger.warning(
+            "%s names plugin %r, which is not installed; %s (installed plugins: %s)", PLUGINS_ENV, name, hint, installed
+        )
+    return plugins
 
 
 class _SlowImportWatch:
-    """A watcher thread that names the plugin whose import runs past :data:`SLOW_IMPORT_WARNING_S`.
+    """A thread that names the plugin whose import runs past :data:`SLOW_IMPORT_WARNING_S`, once per import.
 
-    An import cannot be interrupted safely, so the host only says which
-    plugin it is waiting for (once per import) and goes on waiting. One
-    thread serves every import of a load (most loads import many plugins
-    and none of them is slow) and ends once no import has started for a
-    while; the next import starts another.
+    An import cannot be interrupted safely, so the host only says what it waits for. One thread serves
+    every import of a load (most loads import many plugins, none slow) and ends when idle for a second.
     """
 
-    _IDLE_S = 1.0
-
     def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        """Fresh state (also in a forked child, where the lock may have been held and the thread is gone)."""
+        # Also the reset in a forked child, where the lock may have been held and the thread is gone.
         self._cond = threading.Condition()
-        self._current: tuple[str] | None = None
+        self._current: tuple[str, ...] = ()
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
     def importing(self, what: str) -> Iterator[None]:
-        """Watch the import run inside the ``with`` block; ``what`` is the warning if it runs long."""
         with self._cond:
             self._current = (what,)  # a fresh tuple per import: the watcher compares identities
             if self._thread is None or not self._thread.is_alive():
@@ -455,60 +351,41 @@ class _SlowImportWatch:
             yield
         finally:
             with self._cond:
-                self._current = None
+                self._current = ()
                 self._cond.notify()
 
     def _watch(self) -> None:
         with self._cond:
-            while True:
-                current = self._current
-                if current is None:
-                    if not self._cond.wait(self._IDLE_S) and self._current is None:
-                        self._thread = None
-                        return
-                    continue
-                deadline = time.monotonic() + SLOW_IMPORT_WARNING_S
-                while self._current is current:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        logger.warning("%s", current[0])
-                        while self._current is current:
-                            self._cond.wait()
-                        break
-                    self._cond.wait(remaining)
+            while self._cond.wait_for(lambda: self._current, timeout=1.0):
+                current = self._current  # the predicates below are called within this iteration
+                if not self._cond.wait_for(lambda: self._current is not current, SLOW_IMPORT_WARNING_S):  # noqa: B023
+                    logger.warning("%s", current[0])
+                    self._cond.wait_for(lambda: self._current is not current)  # noqa: B023
+            self._thread = None
 
 
 _WATCH = _SlowImportWatch()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WATCH._reset)
-
-
-def _import(record: EntryPointRecord, info: PluginInfo) -> object:
-    """Import the entry point's object: its prints go to stderr, a hang is named, Ctrl-C names the plugin."""
-    slow = (
-        f"still importing {info.origin} (entry point {printable(repr(record.value))}) after "
-        f"{SLOW_IMPORT_WARNING_S:g} s; waiting for it, since an import cannot be stopped safely — if it hangs, "
-        f"{way_out(info)}"
-    )
-    try:
-        with _WATCH.importing(slow), plugin_output():
-            return record.load()
-    except KeyboardInterrupt:
-        raise PluginLoadInterrupted(
-            f"interrupted while importing {info.origin} (entry point {printable(repr(record.value))})"
-        ) from None
+    os.register_at_fork(after_in_child=_WATCH.__init__)  # type: ignore[misc]
 
 
 def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginInfo) -> PluginInfo:
+    """Import and register one entry point: its prints go to stderr, a hang is named, Ctrl-C names the plugin."""
+    where = f"{info.origin} (entry point {printable(repr(record.value))})"
+    slow = (
+        f"still importing {where} after {SLOW_IMPORT_WARNING_S:g} s; waiting for it, since an import cannot be "
+        f"stopped safely — if it hangs, {way_out(info)}"
+    )
     try:
-        obj = _import(record, info)
+        with _WATCH.importing(slow), plugin_output():
+            obj = record.load()
+    except KeyboardInterrupt:
+        raise PluginLoadInterrupted(f"interrupted while importing {where}") from None
     except (Exception, SystemExit) as exc:
         return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}")
     try:
-        register_checked(pm, as_plugin(record.name, obj), record.name)
-    except PluginProblem as problem:
-        return _fail(info, str(problem))
-    except ValueError as exc:  # invalid shorthand name, or pluggy refusing a duplicate object
+        register_checked(pm, obj, record.name)
+    except (PluginProblem, ValueError) as exc:  # ValueError: an invalid shorthand name, or a duplicate object
         return _fail(info, str(exc))
     except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it
         if pm.has_plugin(record.name):

@@ -12,8 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Iterable, Iterator, Sequence
 
 import pluggy
 
@@ -23,7 +22,6 @@ from attnhost.discovery import (
     GuardedPluginManager,
     PluginInfo,
     PluginStatus,
-    as_plugin,
     load_entry_points,
     register_checked,
 )
@@ -46,12 +44,11 @@ __all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
-DECLARED_NAMES_PLUGIN = "<add_attention_backend_choices>"
-"""The plugin name of names added with ``add_*_attention_backend_choices``; no entry point can plausibly take it."""
-
 
 class _DeclaredNames:
     """The in-process plugin behind ``add_attention_backend_choices`` and friends."""
+
+    NAME = "<add_attention_backend_choices>"  # no entry point can plausibly take it
 
     def __init__(self) -> None:
         # dicts as ordered sets: adding n names one call at a time stays linear
@@ -74,24 +71,19 @@ class PluginHost:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._pm: GuardedPluginManager | None = None
+        self._loading: GuardedPluginManager | None = None
+        """The manager being filled while entry points are imported (re-entrant calls get it)."""
+        self._building = False
         self._discovered: list[PluginInfo] = []
         self._in_process: dict[str, PluginInfo] = {}
         self._declared = _DeclaredNames()
         self._registry: Registry | None = None
         self._plugins: tuple[PluginInfo, ...] = ()
-        self._frozen_by: str | None = None
-        """What froze the registry (``the first ServerArgs``, ...), named in every late registration's error."""
-        self._settings: LoadSettings | None = None
-        """The load settings, read before the first plugin is imported and used for the rest of the process."""
         self._strict_error: PluginLoadError | None = None
-        self._loading: GuardedPluginManager | None = None
-        """The manager being filled while entry points are imported (re-entrant calls get it)."""
-        self._building = False
-        self._missing_allowed: tuple[str, ...] = ()
         self._logged: set[str] = set()
         """Registry warnings already logged: a rebuild before the freeze must not repeat them."""
-
-    # -- loading -----------------------------------------------------------------
+        self._frozen_by: str | None = None
+        """What froze the registry (``the first ServerArgs``, ...), named in every late registration's error."""
 
     def plugin_manager(self) -> pluggy.PluginManager:
         """The pluggy manager, with every allowed entry point loaded (once per process)."""
@@ -105,97 +97,78 @@ class PluginHost:
                 # A plugin being imported calls back into attnhost (SGLang-style add_*_choices
                 # at import time): it gets the manager being filled, never a second load.
                 return self._loading
-            pm = GuardedPluginManager(self._change)
-            settings = self._settings = LoadSettings.from_env()  # before any plugin code runs
-            records = entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
-            self._loading = pm
+            pm = self._loading = GuardedPluginManager(self._change)
+            load = LoadSettings.from_env()  # read before any plugin code runs, kept for the process
             try:
-                result = load_entry_points(pm, records, settings)
+                records = entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
+                self._discovered = load_entry_points(pm, records, load)
             finally:
                 self._loading = None
-            self._discovered = result.plugins
-            self._missing_allowed = result.missing_allowed
             self._pm = pm
-            self._registry = None
             return pm
-
-    def _invalidate(self) -> None:
-        self._registry = None
 
     @contextlib.contextmanager
     def _change(self, what: str) -> Iterator[None]:
         """Guard one change to the plugin set: under the lock, refused once frozen, the registry stale after.
 
-        The check, the change and the invalidation happen under one hold of
-        the lock that freezing takes, so a registration racing the first
-        ``ServerArgs`` either lands before the freeze's build (and is in the
-        frozen registry) or raises ``RegistryFrozenError``.
+        One hold of the lock that freezing takes, so a registration racing the first ``ServerArgs``
+        either lands before the freeze's build (and is in the frozen registry) or raises.
         """
         with self._lock:
-            self._check_not_frozen(what)
+            self._check(what)
             try:
                 yield
             finally:
-                self._invalidate()
+                self._registry = None
 
     def registry(self) -> Registry:
         """The current registry; raises ``PluginLoadError`` under ``ATTNHOST_STRICT=1`` if a plugin failed."""
         registry = self._registry
         if registry is None:
             with self._lock:
-                registry = self._registry
-                if registry is None:
-                    self._check_not_loading("the backend registry was requested")
-                    registry = self._build()
+                self._check("the backend registry was requested", change=False)
+                registry = self._build() if self._registry is None else self._registry
         if self._strict_error is not None:
             raise self._strict_error
         return registry
 
     def _build(self) -> Registry:
         pm = self.plugin_manager()
-        records = list(self._discovered)
-        known = {info.name for info in records if info.status is PluginStatus.LOADED}
-        for name, plugin in pm.list_name_plugin():
-            if name not in known and plugin is not None:
-                records.append(self._in_process.get(name) or _in_process_info(name, plugin))
-        registered = {name for name, _ in pm.list_name_plugin()}
-        records += [
-            info
-            for name, info in self._in_process.items()
-            if info.status is PluginStatus.FAILED and name not in registered
+        registered = dict(pm.list_name_plugin())
+        known = {info.name for info in self._discovered if info.status is PluginStatus.LOADED}
+        records = self._discovered + [
+            self._in_process.get(name) or _in_process_info(name, plugin)
+            for name, plugin in registered.items()
+            if name not in known and plugin is not None
         ]
+        # An in-process plugin whose hook failed was unregistered (below); a rebuild reports it the same way.
+        records += [i for n, i in self._in_process.items() if i.status is PluginStatus.FAILED and n not in registered]
         self._building = True
         try:
             contributions = collect_contributions(pm, records)
         finally:
             self._building = False
-        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it.
-        for before, after in zip(records, contributions, strict=True):
-            if before.status is PluginStatus.LOADED and isinstance(after, PluginInfo) and pm.has_plugin(after.name):
-                pm.unregister(name=after.name)
         registry, plugins = build_registry(contributions)
-        for info in plugins:
-            for warning in info.warnings:
-                if warning not in self._logged:
-                    self._logged.add(warning)
-                    logger.warning("%s", warning)
-        # A plugin whose hook failed was unregistered; remember why, so a rebuild (after an in-process
-        # registration) reports it the same way. Only the loaded record of that name is replaced: a
-        # duplicate row of the same name, from another distribution, keeps its own record.
-        failed = {info.name: info for info in plugins if info.status is PluginStatus.FAILED}
-        self._discovered = [
-            replace(failed[info.name], backends=(), warnings=())
-            if info.status is PluginStatus.LOADED and info.name in failed
-            else info
-            for info in self._discovered
-        ]
-        for name, info in failed.items():
-            if name in self._in_process:
-                self._in_process[name] = replace(info, backends=(), warnings=())
+        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it,
+        # and its failure replaces its loaded record (a duplicate row of the same name keeps its own).
+        for before, after in zip(records, plugins, strict=True):
+            if before.status is not PluginStatus.LOADED or after.status is not PluginStatus.FAILED:
+                continue
+            if pm.has_plugin(after.name):
+                pm.unregister(name=after.name)
+            if before in self._discovered:
+                self._discovered[self._discovered.index(before)] = after
+            elif after.name in self._in_process:
+                self._in_process[after.name] = after
+        for warning in [warning for info in plugins for warning in info.warnings]:
+            if warning not in self._logged:
+                self._logged.add(warning)
+                logger.warning("%s", warning)
         self._plugins = tuple(plugins)
         self._registry = registry
-        strict = (self._settings or LoadSettings.from_env()).strict
-        self._strict_error = _strict_error(self._plugins, self._missing_allowed) if strict else None
+        load = LoadSettings.from_env()
+        missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
+        self._strict_error = _strict_error(plugins, missing) if load.strict else None
         return registry
 
     def plugins(self) -> tuple[PluginInfo, ...]:
@@ -205,33 +178,21 @@ class PluginHost:
                 self.registry()
         return self._plugins
 
-    # -- registration --------------------------------------------------------------
-
-    def is_frozen(self) -> bool:
-        return self._frozen_by is not None
-
     def freeze(self, by: str = "the first ServerArgs") -> Registry:
-        """Freeze the registry (idempotent); from now on every registration raises, naming ``by``.
-
-        ``by`` says what needed the set of backends to stop moving (``the
-        first ServerArgs``, ``ServerArgs.add_cli_args``, an engine's model
-        runner); the first freeze's is kept.
-        """
+        """Freeze the registry (idempotent): every later registration raises, naming the first freeze's ``by``."""
         with self._lock:
             registry = self.registry()
-            if self._frozen_by is None:
-                self._frozen_by = by
+            self._frozen_by = self._frozen_by or by
             return registry
 
-    def _check_not_loading(self, what: str) -> None:
-        """Refuse what a plugin may not do while the host is loading plugins or calling their hooks.
+    def _check(self, what: str, *, change: bool = True) -> None:
+        """Refuse a change to the plugin set once frozen, and what a plugin may not do mid-load or mid-build.
 
-        Only the thread holding the lock can get here mid-load or mid-build, so
-        this is a plugin calling back into attnhost: reading the registry from
-        its import-time code (it is not complete yet) or from a hook (it is
-        being built from that very hook). Failing that plugin beats recursing.
+        Only the thread holding the lock gets here mid-load or mid-build: a plugin calling back into
+        attnhost from its import-time code (the registry is not complete; a change is fine) or from a
+        hook (the registry is being built from it). Failing that plugin beats recursing.
         """
-        if self._loading is not None:
+        if self._loading is not None and not change:
             raise AttnhostError(
                 f"{what} while plugins are still being imported (by a plugin's import-time code); "
                 "read it after start-up, not when the plugin module is imported"
@@ -241,11 +202,7 @@ class PluginHost:
                 f"{what} from inside a plugin hook while the registry is being built from those hooks; "
                 "a hook must only return its answer"
             )
-
-    def _check_not_frozen(self, what: str) -> None:
-        if self._building:
-            self._check_not_loading(what)
-        if self._frozen_by is not None:
+        if change and self._frozen_by is not None:
             raise RegistryFrozenError(
                 f"{what} came after {self._frozen_by} froze the backend registry; declare it from a "
                 f"plugin entry point (group {ENTRY_POINT_GROUP!r}) or do it before building ServerArgs "
@@ -254,45 +211,35 @@ class PluginHost:
 
     def add_choices(self, names: Iterable[str], *, draft: bool) -> None:
         """SGLang's ``add_*_attention_backend_choices``: name-only additions, before the freeze."""
-        names = list(names) if not isinstance(names, str) else [names]
+        names = [names] if isinstance(names, str) else list(names)
         function = "add_draft_attention_backend_choices" if draft else "add_attention_backend_choices"
-        with self._lock:
-            self._check_not_frozen(f"{function}({names!r})")
+        with self._change(f"{function}({names!r})"):
             for name in names:
                 check_backend_name(name)
             pm = self.plugin_manager()
-            target_list = self._declared.draft if draft else self._declared.target
-            target_list.update(dict.fromkeys(names))
+            (self._declared.draft if draft else self._declared.target).update(dict.fromkeys(names))
             if not pm.is_registered(self._declared):
-                pm.register(self._declared, name=DECLARED_NAMES_PLUGIN)
-                self._in_process[DECLARED_NAMES_PLUGIN] = _in_process_info(DECLARED_NAMES_PLUGIN, self._declared)
-            self._invalidate()
+                pm.register(self._declared, name=_DeclaredNames.NAME)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register a plugin object (or ``AttentionBackend`` subclass) in-process, before the freeze."""
-        with self._lock:
-            label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
-            self._check_not_frozen(f"registering plugin {label!r}")
+        label = name or getattr(plugin, "__name__", None) or type(plugin).__name__
+        with self._change(f"registering plugin {label!r}"):
             pm = self.plugin_manager()
             if pm.has_plugin(label):
                 raise ValueError(f"a plugin named {label!r} is already registered; pass another name=")
             try:
-                register_checked(pm, as_plugin(label, plugin), label)
+                register_checked(pm, plugin, label)
             except PluginProblem as problem:
                 raise InvalidPluginError(f"plugin {label!r} {problem}") from None
             self._in_process[label] = _in_process_info(label, plugin)
-            self._invalidate()
             return label
 
-    # -- testing and forks -----------------------------------------------------------
-
     def _after_fork_in_child(self) -> None:
-        # The child inherits loaded modules and a consistent registry; only the lock
-        # may have been held by a thread that no longer exists.
+        # Only the lock may have been held by a thread that does not exist here; forked while one was
+        # mid-load or mid-build, start that step over rather than serve its half-finished state.
         self._lock = threading.RLock()
         if self._loading is not None or self._building:
-            # Forked while another thread was mid-load or mid-build: that thread does not exist
-            # here, so start that step over rather than serve its half-finished state.
             self._loading = None
             self._building = False
             self._registry = None
@@ -305,20 +252,16 @@ def _in_process_info(name: str, plugin: object) -> PluginInfo:
     return PluginInfo(name=name, distribution=None, version=None, value=value, status=PluginStatus.LOADED)
 
 
-def _strict_error(plugins: Iterable[PluginInfo], missing_allowed: Iterable[str] = ()) -> PluginLoadError | None:
-    plugins = tuple(plugins)
+def _strict_error(plugins: Sequence[PluginInfo], missing_allowed: Iterable[str]) -> PluginLoadError | None:
     failed = [info for info in plugins if info.status in (PluginStatus.FAILED, PluginStatus.DUPLICATE)]
-    conflicted = [info for info in plugins if info.warnings]
-    missing = [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing_allowed]
-    if not failed and not conflicted and not missing:
-        return None
     parts = [f"{info.origin}: {info.error}" for info in failed]
-    parts += [f"{info.origin}: {warning}" for info in conflicted for warning in info.warnings]
-    parts += missing
-    parts = [printable(part) for part in parts]  # plugin text (errors, distribution names) in an error message
-    return PluginLoadError(
+    parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
+    parts += [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing_allowed]
+    if not parts:
+        return None
+    return PluginLoadError(  # plugin text (errors, distribution names) in an error message is escaped
         f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
-        + "; ".join(parts)
+        + "; ".join(printable(part) for part in parts)
         + f" — fix or uninstall them, or unset {STRICT_ENV}"
     )
 
