@@ -361,13 +361,19 @@ def test_groups_and_path_lists_get_their_own_files(site: Path, tmp_path: Path, m
 def test_no_cache_env_writes_and_reads_nothing(
     site: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
+    """The host reads ATTNHOST_NO_CACHE with its other settings and tells scan(); a direct caller decides."""
+    from attnhost.host import _reset_for_tests, default_host
+
     monkeypatch.setenv("ATTNHOST_NO_CACHE", value)
     for _ in range(2):
+        _reset_for_tests()  # a new process: the settings are read again
         before = scan_stats()
-        assert {r.name for r in scan(G)} == {"a", "b"}
+        default_host().plugin_manager()
         assert delta(before)["uncached"] == 1
     assert not xdg.exists()
-    scan(G, use_cache=True)  # the argument overrides the environment variable
+    scan(G, use_cache=False)
+    assert not xdg.exists()
+    scan(G)  # the argument, not the environment variable, decides
     assert cache_path().exists()
 
 
