@@ -13,8 +13,8 @@ import time
 
 from attnhost import entry_points_cache as cache
 
-__all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "cache_file", "clear_memo", "normalize_name", "reset_scan_stats"]
-__all__ += ["scan", "scan_stats"]
+__all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "clear_memo", "normalize_name", "reset_scan_stats", "scan"]
+__all__ += ["scan_stats"]
 
 #: A scan is not cached while anything in its key is younger than this (read at call time; tests lower it).
 RACY_WINDOW_NS = 3_000_000_000
@@ -93,23 +93,16 @@ def normalize_name(name: str) -> str:
 
 
 def scan_stats() -> dict[str, int]:
-    """Counters of what :func:`scan` did in this process (a copy)."""
     return dict(_STATS)
 
 
 def reset_scan_stats() -> None:
-    """Zero the counters returned by :func:`scan_stats`."""
     _STATS.update(dict.fromkeys(_STATS, 0))
 
 
 def clear_memo() -> None:
     """Forget in-process answers, so the next :func:`scan` consults the cache file."""
     _MEMO.clear()
-
-
-def cache_file(group: str) -> str | None:
-    """The cache file :func:`scan` uses for *group* on the current ``sys.path`` (``None``: no cache)."""
-    return cache.cache_file(cache.identity(group, _paths()))
 
 
 def _paths() -> list[str]:

@@ -2,16 +2,16 @@
 
 A leaf module: a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key digests
 :func:`identity` and ``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of each path entry, of every metadata
-directory in it (moved when a file is added or removed), of its ``entry_points.txt`` (the kernel sets
-ctime on every write, so an in-place edit is seen) and, if that mentions the group, its ``METADATA`` /
-``PKG-INFO``, statted before ``importlib_metadata`` reads; nothing younger than ``RACY_WINDOW_NS`` is cached, so
-neither is a change racing the survey (the kernel sets ctime to now on every change).
-Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock stepped back by more than the
-racy window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry_points.txt`` does not
-mention the group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom
-finder on ``sys.meta_path`` (then no cache is used). The file is used only if a regular file of at most
-:data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike, opened with
-``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored, one debug line.
+directory in it (moved when a file is added or removed), of its ``entry_points.txt`` and, if that mentions the
+group, its ``METADATA`` / ``PKG-INFO``, all statted before ``importlib_metadata`` reads. The kernel sets ctime to
+now on every change, so an in-place edit is seen; and as nothing younger than ``RACY_WINDOW_NS`` is cached, nor
+is a change racing the survey. Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock
+stepped back by more than the racy window; (c) an in-place edit of the ``METADATA`` of a distribution whose
+``entry_points.txt`` does not mention the group and whose directory name carries no name, renaming it to shadow
+a plugin; (d) a custom finder on ``sys.meta_path`` (then no cache is used). The file is used only if a regular
+file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike,
+opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored,
+with one debug line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ MAX_TEXT_BYTES = 1 << 20  # an entry_points.txt larger than this is not read (fo
 Plan = list[tuple[str, ...]]  # per path entry, the names under it (child or child/file) in the key
 Row = tuple[str, str, str, str, int, str]  # name, value, distribution, version, path entry index, metadata dir
 Stored = tuple[str, Plan, list[Row]]  # what a cache file holds: the key's digest, the plan, the records
-_Sig = tuple[int, int, int, int, int, int]
 
 
 def ignored(message: str) -> None:
@@ -74,7 +73,7 @@ def cache_file(ident: str) -> str | None:
     return None if directory is None else os.path.join(directory, name)
 
 
-def _sig(path: str) -> _Sig | None:
+def _sig(path: str) -> tuple[int, int, int, int, int, int] | None:
     try:
         st = os.stat(path)
     except (OSError, ValueError):
