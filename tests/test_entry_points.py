@@ -181,8 +181,7 @@ def test_mixed_environment_matches_importlib_metadata(
     assert not {"old", "sf", "beta_zip", "notmatched", "orphan", "notours"} & set(names)
     by_name = {r.name: r for r in scan(G, use_cache=False)}
     assert by_name["spaced"].value == "spaced_mod  :  attr.sub   [ extra1 , extra2 ]"
-    assert (by_name["spaced"].module, by_name["spaced"].attr) == ("spaced_mod", "attr.sub")
-    assert by_name["spaced"].extras == ("extra1", "extra2")
+    assert by_name["spaced"].parts == ("spaced_mod", "attr.sub", ("extra1", "extra2"))
     assert by_name["new"].distribution == "shadowed-pkg"  # the Name header, not the escaped dir name
     assert by_name["alpha"].location == str(tmp_path / "a")
     assert by_name["alpha"].source == str(tmp_path / "a" / "Alpha-1.0.dist-info")
@@ -265,10 +264,10 @@ def test_record_is_frozen_hashable_picklable() -> None:
     assert rec == same and hash(rec) == hash(same) and len({rec, same}) == 1
     assert rec != EntryPointRecord("n", "m.sub:obj.attr [e]", G, "dist", "1.1", "/x", "/x/dist-1.0.dist-info")
     assert pickle.loads(pickle.dumps(rec)) == rec
-    assert (rec.module, rec.attr, rec.extras) == ("m.sub", "obj.attr", ("e",))
-    assert EntryPointRecord("n", "pkg.mod", G, "d", "1", "/x").attr == ""
+    assert rec.parts == ("m.sub", "obj.attr", ("e",))
+    assert EntryPointRecord("n", "pkg.mod", G, "d", "1", "/x").parts == ("pkg.mod", "", ())
     assert "m.sub:obj.attr" in repr(rec)
-    assert rec.to_dict()["source"] == "/x/dist-1.0.dist-info"
+    assert rec.source == "/x/dist-1.0.dist-info"
 
 
 def test_record_parses_values_like_importlib_metadata() -> None:
@@ -279,7 +278,7 @@ def test_record_parses_values_like_importlib_metadata() -> None:
             expected = (theirs.module, theirs.attr or "", tuple(theirs.extras))
         except (AttributeError, ValueError):  # importlib_metadata's pattern did not match
             expected = ("", "", ())
-        assert (ours.module, ours.attr, ours.extras) == expected, value
+        assert ours.parts == expected, value
 
 
 def test_load_imports_module_and_walks_attributes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

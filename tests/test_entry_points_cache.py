@@ -73,8 +73,13 @@ def delta(before: dict[str, int]) -> dict[str, int]:
     return {k: after[k] - before[k] for k in after if after[k] != before[k]}
 
 
+def cache_file(group: str) -> str | None:
+    """The cache file scan() uses for *group* on the current sys.path (None: no cache)."""
+    return C.cache_file(C.identity(group, sys.path))
+
+
 def cache_path() -> Path:
-    file = E.cache_file(G)
+    file = cache_file(G)
     assert file is not None
     return Path(file)
 
@@ -342,7 +347,7 @@ def test_no_home_and_no_xdg_cache_home_means_no_cache(
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert C.cache_dir() is None and E.cache_file(G) is None
+    assert C.cache_dir() is None and cache_file(G) is None
     for _ in range(2):
         E.clear_memo()
         assert {r.name for r in scan(G)} == {"a", "b"}
@@ -351,23 +356,29 @@ def test_no_home_and_no_xdg_cache_home_means_no_cache(
 
 
 def test_groups_and_path_lists_get_their_own_files(site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    here = E.cache_file(G)
-    assert here != E.cache_file("console_scripts")
+    here = cache_file(G)
+    assert here != cache_file("console_scripts")
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path / "elsewhere")])
-    assert E.cache_file(G) != here
+    assert cache_file(G) != here
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
 def test_no_cache_env_writes_and_reads_nothing(
     site: Path, xdg: Path, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
+    """The host reads ATTNHOST_NO_CACHE with its other settings and tells scan(); a direct caller decides."""
+    from attnhost.host import _reset_for_tests, default_host
+
     monkeypatch.setenv("ATTNHOST_NO_CACHE", value)
     for _ in range(2):
+        _reset_for_tests()  # a new process: the settings are read again
         before = scan_stats()
-        assert {r.name for r in scan(G)} == {"a", "b"}
+        default_host().plugin_manager()
         assert delta(before)["uncached"] == 1
     assert not xdg.exists()
-    scan(G, use_cache=True)  # the argument overrides the environment variable
+    scan(G, use_cache=False)
+    assert not xdg.exists()
+    scan(G)  # the argument, not the environment variable, decides
     assert cache_path().exists()
 
 

@@ -2,7 +2,7 @@
 
 While :mod:`attnhost.entry_points_cache` describes the disk, :func:`scan` answers from it without importing
 ``importlib_metadata`` (most of every ``attnhost`` start-up), a record only while its ``entry_points.txt``
-declares it; a custom distribution finder on ``sys.meta_path``, whose finds the key cannot see, disables it.
+declares it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 
 from attnhost import entry_points_cache as cache
 
-__all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "cache_file", "clear_memo", "normalize_name", "reset_scan_stats"]
-__all__ += ["scan", "scan_stats"]
+__all__ = ["RACY_WINDOW_NS", "EntryPointRecord", "clear_memo", "normalize_name", "reset_scan_stats", "scan"]
+__all__ += ["scan_stats"]
 
 #: A scan is not cached while anything in its key is younger than this (read at call time; tests lower it).
 RACY_WINDOW_NS = 3_000_000_000
@@ -29,11 +29,12 @@ _FIELDS = ("name", "value", "group", "distribution", "version", "location", "sou
 _STANDARD_FINDERS = {("_frozen_importlib_external", "PathFinder"), ("importlib_metadata", "MetadataPathFinder")}
 
 
-class EntryPointRecord:
+class EntryPointRecord(tuple[str, str, str, str, str, str, str]):
     """An entry point with its distribution's ``Name``/``Version``, ``sys.path`` entry and metadata directory
-    (``""`` if none); immutable, hashable, hand-written (importing ``dataclasses`` costs more than a hit)."""
+    (``""`` if none): an immutable tuple with named fields, as ``namedtuple`` makes (importing ``collections``,
+    ``typing`` or ``dataclasses`` would cost more than a hit)."""
 
-    __slots__ = _FIELDS
+    __slots__ = ()
     name: str
     value: str
     group: str
@@ -42,37 +43,20 @@ class EntryPointRecord:
     location: str
     source: str
 
-    def __init__(
-        self, name: str, value: str, group: str, distribution: str, version: str, location: str, source: str = ""
-    ) -> None:
-        for field, item in zip(_FIELDS, (name, value, group, distribution, version, location, source), strict=True):
-            object.__setattr__(self, field, item)
+    def __new__(
+        cls, name: str, value: str, group: str, distribution: str, version: str, location: str, source: str = ""
+    ) -> EntryPointRecord:
+        return super().__new__(cls, (name, value, group, distribution, version, location, source))
 
-    def _astuple(self) -> tuple[str, ...]:
-        return tuple(getattr(self, field) for field in _FIELDS)
-
-    def __setattr__(self, name: str, value: object = None) -> None:
-        raise AttributeError(f"EntryPointRecord is frozen: {name!r} can be neither set nor deleted")
-
-    __delattr__ = __setattr__
-
-    def __eq__(self, other: object) -> bool:
-        return self._astuple() == other._astuple() if isinstance(other, EntryPointRecord) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self._astuple())
+    def __getnewargs__(self) -> tuple[str, ...]:
+        return tuple(self)
 
     def __repr__(self) -> str:
-        return f"EntryPointRecord{self._astuple()!r}"
+        return f"EntryPointRecord{tuple(self)!r}"
 
-    def __reduce__(self) -> tuple[type[EntryPointRecord], tuple[str, ...]]:
-        return (EntryPointRecord, self._astuple())
-
-    def to_dict(self) -> dict[str, object]:
-        """The fields, JSON-ready."""
-        return dict(zip(_FIELDS, self._astuple(), strict=True))
-
-    def _parts(self) -> tuple[str, str, tuple[str, ...]]:
+    @property
+    def parts(self) -> tuple[str, str, tuple[str, ...]]:
+        """``(module, attr, extras)``, as ``importlib_metadata`` parses the value; all empty if it is malformed."""
         import re  # loading a plugin imports far more than this; a scan does not need it
 
         match = re.match(r"(?P<module>[\w.]+)\s*(:\s*(?P<attr>[\w.]+)\s*)?((?P<extras>\[.*\])\s*)?$", self.value)
@@ -80,21 +64,9 @@ class EntryPointRecord:
             return "", "", ()
         return match["module"], match["attr"] or "", tuple(re.findall(r"\w+", match["extras"] or ""))
 
-    @property
-    def module(self) -> str:
-        return self._parts()[0]
-
-    @property
-    def attr(self) -> str:
-        return self._parts()[1]
-
-    @property
-    def extras(self) -> tuple[str, ...]:
-        return self._parts()[2]
-
     def load(self) -> object:
         """Import the module and walk the attribute path, as ``EntryPoint.load()`` does; ``ValueError`` if malformed."""
-        module, attr, _ = self._parts()
+        module, attr, _ = self.parts
         if not module:
             raise ValueError(f"malformed entry point value {self.value!r} for {self.name!r}")
         __import__(module)
@@ -102,6 +74,14 @@ class EntryPointRecord:
         for part in filter(None, attr.split(".")):
             obj = getattr(obj, part)
         return obj
+
+
+def _field(index: int) -> property:
+    return property(lambda record: record[index])
+
+
+for _index, _name in enumerate(_FIELDS):  # the fields as properties, as namedtuple makes them
+    setattr(EntryPointRecord, _name, _field(_index))
 
 
 def normalize_name(name: str) -> str:
@@ -113,12 +93,10 @@ def normalize_name(name: str) -> str:
 
 
 def scan_stats() -> dict[str, int]:
-    """Counters of what :func:`scan` did in this process (a copy)."""
     return dict(_STATS)
 
 
 def reset_scan_stats() -> None:
-    """Zero the counters returned by :func:`scan_stats`."""
     _STATS.update(dict.fromkeys(_STATS, 0))
 
 
@@ -127,37 +105,25 @@ def clear_memo() -> None:
     _MEMO.clear()
 
 
-def cache_file(group: str) -> str | None:
-    """The cache file :func:`scan` uses for *group* on the current ``sys.path`` (``None``: no cache)."""
-    return cache.cache_file(cache.identity(group, _paths()))
-
-
 def _paths() -> list[str]:
     return [entry for entry in sys.path if isinstance(entry, str)]
 
 
-def _use_cache(use_cache: bool | None) -> bool:
-    """*use_cache* (the host passes its settings' answer), else ``ATTNHOST_NO_CACHE`` unset.
+def scan(group: str, *, use_cache: bool = True) -> tuple[EntryPointRecord, ...]:
+    """``importlib_metadata.entry_points(group=group)`` on ``sys.path``, from the cache while its key holds.
 
-    The fallback, for callers outside the host, restates settings' rule for a
-    true value rather than importing settings: a cache hit imports nothing more.
+    The host passes ``use_cache`` from its settings (``ATTNHOST_NO_CACHE``); reading them here would import more.
+    A custom distribution finder on ``sys.meta_path`` (its finds are beyond the key) also means no cache.
     """
-    if use_cache is None:
-        use_cache = os.environ.get("ATTNHOST_NO_CACHE", "").strip().lower() not in {"1", "true", "yes", "on"}
-    classes = (f if isinstance(f, type) else type(f) for f in sys.meta_path if hasattr(f, "find_distributions"))
-    return use_cache and all((cls.__module__, cls.__name__) in _STANDARD_FINDERS for cls in classes)
-
-
-def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord, ...]:
-    """``importlib_metadata.entry_points(group=group)`` on ``sys.path``, from the cache while its key holds."""
     _STATS["scans"] += 1
     path = _paths()
     ident = cache.identity(group, path)
-    if not _use_cache(use_cache):
+    finders = (f if isinstance(f, type) else type(f) for f in sys.meta_path if hasattr(f, "find_distributions"))
+    if not use_cache or any((cls.__module__, cls.__name__) not in _STANDARD_FINDERS for cls in finders):
         _STATS["uncached"] += 1
         return _from_importlib(group, path)[0]
     memo = _MEMO.get(ident)
-    if memo is not None and cache.key(ident, path, memo[1]) == memo[0]:
+    if memo is not None and cache.key(ident, path, memo[1])[0] == memo[0]:
         _STATS["memo_hits"] += 1
         return memo[2]
     file = cache.cache_file(ident)
@@ -168,8 +134,7 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
         _MEMO[ident] = hit
         return hit[2]
     _STATS["cache_misses"] += 1
-    _MEMO.pop(ident, None)
-    digest, plan, newest = cache.survey(ident, path, group)
+    digest, newest, plan = cache.survey(ident, path, group)
     records, rows = _from_importlib(group, path)
     if rows is None:
         return records
@@ -186,7 +151,7 @@ def scan(group: str, *, use_cache: bool | None = None) -> tuple[EntryPointRecord
 def _verified(stored: cache.Stored, ident: str, group: str, path: list[str]) -> _Answer | None:
     """The stored answer, if its key still holds and each record's ``entry_points.txt`` declares it now."""
     digest, plan, rows = stored
-    if cache.key(ident, path, plan) != digest:
+    if cache.key(ident, path, plan)[0] != digest:
         return None  # the disk changed: an ordinary miss
     texts = {where: cache.read_entry_points_text(path[where[0]], where[1]) for where in {row[4:] for row in rows}}
     for name, value, _, _, idx, child in rows:
@@ -210,35 +175,37 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
     except Exception:  # e.g. one entry_points.txt that is not UTF-8 breaks the whole call: one at a time, then
         import logging
 
+        from attnhost.errors import describe_exception, printable
+
         found, seen = [], set()
         for dist in md.distributions():
             label = "?"
             try:
-                label = f"{dist.name} {dist.version}"
+                label = printable(f"{dist.name} {dist.version}")
                 if (key := normalize_name(str(dist.name))) not in seen:  # the first of a name, as importlib_metadata
                     seen.add(key)
                     found += [ep for ep in dist.entry_points if ep.group == group]
             except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"
-                logging.getLogger("attnhost").warning("distribution %s at %s has unreadable metadata (%s), so its "
-                    "entry points are skipped; reinstall or remove it", label, dist.locate_file(""), why)  # fmt: skip
+                where, why = dist.locate_file(""), describe_exception(exc)
+                message = "distribution %s at %s has unreadable metadata (%s), so its entry points are skipped"
+                logging.getLogger("attnhost").warning(message + "; reinstall or remove it", label, where, why)
     index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[cache.Row] = []
     for ep in found:
-        dist, name, version, location, source = ep.dist, "", "", "", ""
-        if dist is not None:
-            with contextlib.suppress(Exception):  # metadata without Name/Version
-                name, version = str(dist.name or ""), str(dist.version or "")
-            location = os.path.normpath(str(dist.locate_file("")))
-            idx = index.get(location)
-            # A path distribution's metadata directory, as pip reads it too (importlib_metadata names it nowhere else).
-            child = str(getattr(getattr(dist, "_path", None), "name", ""))
-            if idx is not None:
-                location = path[idx]
-                if child and os.path.isdir(os.path.join(location, child)):
-                    source = os.path.join(location, child)
-                    rows.append((ep.name, ep.value, name, version, idx, child))
+        dist = ep.dist
+        assert dist is not None  # importlib_metadata reads every entry point from a distribution
+        name = version = source = ""
+        with contextlib.suppress(Exception):  # metadata without Name/Version
+            name, version = str(dist.name or ""), str(dist.version or "")
+        location = os.path.normpath(str(dist.locate_file("")))
+        # A path distribution's metadata directory, as pip reads it too (importlib_metadata names it nowhere else).
+        child = str(getattr(getattr(dist, "_path", None), "name", ""))
+        if (idx := index.get(location)) is not None:
+            location = path[idx]
+            if child and os.path.isdir(os.path.join(location, child)):
+                source = os.path.join(location, child)
+                rows.append((ep.name, ep.value, name, version, idx, child))
         records.append(EntryPointRecord(ep.name, ep.value, group, name, version, location, source))
     cacheable = len(rows) == len(records) and _paths() == path  # sys.path changed: the answer is for either
     return tuple(records), rows if cacheable else None

@@ -2,15 +2,16 @@
 
 A leaf module: a hit imports neither ``importlib.metadata`` nor ``importlib_metadata``. The key digests
 :func:`identity` and ``(mode, dev, ino, size, mtime_ns, ctime_ns)`` of each path entry, of every metadata
-directory in it (moved when a file is added or removed), of its ``entry_points.txt`` (the kernel sets
-ctime on every write, so an in-place edit is seen) and, if that mentions the group, its ``METADATA`` /
-``PKG-INFO``. Each stat precedes the read it vouches for; nothing younger than ``RACY_WINDOW_NS`` is cached.
-Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock stepped back by more than the
-racy window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry_points.txt`` does not
-mention the group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom
-finder on ``sys.meta_path`` (then no cache is used). The file is used only if a regular file of at most
-:data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike, opened with
-``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored, one debug line.
+directory in it (moved when a file is added or removed), of its ``entry_points.txt`` and, if that mentions the
+group, its ``METADATA`` / ``PKG-INFO``, all statted before ``importlib_metadata`` reads. The kernel sets ctime to
+now on every change, so an in-place edit is seen; and as nothing younger than ``RACY_WINDOW_NS`` is cached, nor
+is a change racing the survey. Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock
+stepped back by more than the racy window; (c) an in-place edit of the ``METADATA`` of a distribution whose
+``entry_points.txt`` does not mention the group and whose directory name carries no name, renaming it to shadow
+a plugin; (d) a custom finder on ``sys.meta_path`` (then no cache is used). The file is used only if a regular
+file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike,
+opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored,
+with one debug line.
 """
 
 from __future__ import annotations
@@ -25,10 +26,6 @@ try:
 except ImportError:  # pragma: no cover - CPython ships _blake2
     from hashlib import blake2b
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from collections.abc import Sequence
-
 __all__ = ["MAX_CACHE_BYTES", "Plan", "Row", "cache_dir", "cache_file", "declares", "decode", "encode", "identity"]
 __all__ += ["Stored", "ignored", "key", "read_cache", "read_entry_points_text", "survey", "write_cache"]
 
@@ -39,7 +36,6 @@ MAX_TEXT_BYTES = 1 << 20  # an entry_points.txt larger than this is not read (fo
 Plan = list[tuple[str, ...]]  # per path entry, the names under it (child or child/file) in the key
 Row = tuple[str, str, str, str, int, str]  # name, value, distribution, version, path entry index, metadata dir
 Stored = tuple[str, Plan, list[Row]]  # what a cache file holds: the key's digest, the plan, the records
-_Sig = tuple[int, int, int, int, int, int]
 
 
 def ignored(message: str) -> None:
@@ -57,7 +53,7 @@ def cache_dir() -> str | None:
     return None
 
 
-def identity(group: str, path: Sequence[str]) -> str:
+def identity(group: str, path: list[str]) -> str:
     """Everything but the disk that an answer depends on."""
     try:
         cwd = "" if all(map(os.path.isabs, path)) else os.getcwd()
@@ -77,7 +73,7 @@ def cache_file(ident: str) -> str | None:
     return None if directory is None else os.path.join(directory, name)
 
 
-def _sig(path: str) -> _Sig | None:
+def _sig(path: str) -> tuple[int, int, int, int, int, int] | None:
     try:
         st = os.stat(path)
     except (OSError, ValueError):
@@ -90,39 +86,35 @@ def _is_metadata_dir(name: str) -> bool:
     return low.endswith((".dist-info", ".egg-info")) or low == "egg-info"
 
 
-def key(ident: str, path: Sequence[str], plan: Plan) -> str:
-    """The key's digest as the disk is now, statting what *plan* (one tuple per path entry) names: a hit."""
-    sigs = []
-    for entry, names in zip(path, plan, strict=True):
-        prefix = f"{entry or '.'}/"
-        sigs.append(_sig(entry or "."))
-        sigs += [_sig(prefix + name) for name in names]
-    return _hash(marshal.dumps((ident, sigs), 2))  # version 2 writes no back-references: equal values, equal bytes
+def key(ident: str, path: list[str], plan: Plan) -> tuple[str, int]:
+    """The key's digest as the disk is now, statting what *plan* (one tuple per path entry) names, and the newest
+    time seen among those stats."""
+    sigs = [
+        _sig(f"{entry or '.'}/{name}" if name else entry or ".")
+        for entry, names in zip(path, plan, strict=True)
+        for name in ("", *names)
+    ]
+    newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
+    # marshal version 2 writes no back-references: equal values, equal bytes
+    return _hash(marshal.dumps((ident, sigs), 2)), newest
 
 
-def survey(ident: str, path: Sequence[str], group: str) -> tuple[str, Plan, int]:
-    """:func:`key`'s digest and plan, statted before ``importlib_metadata`` reads, and the newest time seen."""
-    sigs: list[_Sig | None] = []
+def survey(ident: str, path: list[str], group: str) -> tuple[str, int, Plan]:
+    """:func:`key` with the plan it is for, taken before ``importlib_metadata`` reads."""
     plan: Plan = []
     for entry in path:
-        prefix = f"{entry or '.'}/"
-        sigs.append(_sig(entry or "."))
         try:
             children = [child for child in os.listdir(entry or ".") if _is_metadata_dir(child)]
         except (OSError, ValueError):  # not a directory: importlib_metadata finds none there either
             children = []
         names: list[str] = []
         for child in children:
-            ep = f"{child}/entry_points.txt"
-            found = {child: _sig(prefix + child), ep: _sig(prefix + ep)}
-            if found[ep] is not None and group in (read_entry_points_text(entry, child) or ""):
-                found.update((name, _sig(prefix + name)) for name in (f"{child}/METADATA", f"{child}/PKG-INFO"))
-            kept = [name for name, sig in found.items() if sig is not None or name == child]
-            names += kept
-            sigs += [found[name] for name in kept]
+            found = [child, f"{child}/entry_points.txt"]
+            if group in (read_entry_points_text(entry, child) or ""):
+                found += [f"{child}/METADATA", f"{child}/PKG-INFO"]
+            names += [name for name in found if name == child or _sig(f"{entry or '.'}/{name}") is not None]
         plan.append(tuple(names))
-    newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
-    return _hash(marshal.dumps((ident, sigs), 2)), plan, newest
+    return (*key(ident, path, plan), plan)
 
 
 def _check(what: str, st: os.stat_result | None = None) -> None:
@@ -180,7 +172,7 @@ def declares(text: str | None, group: str, name: str, value: str) -> bool:
     return False
 
 
-def encode(digest: str, plan: Plan, rows: Sequence[Row]) -> str | None:
+def encode(digest: str, plan: Plan, rows: list[Row]) -> str | None:
     """Magic, digest, a line per path entry, a line per row, checksum; ``None`` if a field holds a separator."""
     fields = [name for names in plan for name in names] + [f for row in rows for f in (*row[:4], row[5])]
     if any("\t" in f or "\n" in f for f in fields):

@@ -1,38 +1,19 @@
 """Every exception attnhost raises, and the helpers that turn other people's objects into one line of text.
 
-Every message is one sentence that names the culprit (plugin, distribution or
-backend) and says how to get out; callers such as the CLI print ``str(exc)``
-as-is, so no message may depend on a traceback to make sense. The text
-helpers live here, at the bottom, so that any layer can format a plugin's
-exception without importing the plugin loader.
+Every message is one sentence that names the culprit (plugin, distribution or backend) and says how to get
+out; callers such as the CLI print ``str(exc)`` as-is, so no message may depend on a traceback to make sense.
+The text helpers live here, at the bottom, so that any layer can format a plugin's exception without
+importing the plugin loader.
 """
 
 from __future__ import annotations
 
 import logging
 
-__all__ = [
-    "AttnhostError",
-    "BackendUnavailableError",
-    "InvalidPluginError",
-    "KVPoolFullError",
-    "NoForwardContextError",
-    "PlatformError",
-    "PluginLoadError",
-    "PluginLoadInterrupted",
-    "PluginProblem",
-    "RankCheckError",
-    "RankMismatchError",
-    "RegistryFrozenError",
-    "UnknownBackendError",
-    "UnsupportedFeatureError",
-    "describe_exception",
-    "one_line",
-    "plugin_label",
-    "printable",
-    "printable_record",
-    "safe_repr",
-]
+__all__ = ["AttnhostError", "BackendUnavailableError", "InvalidPluginError", "KVPoolFullError", "NoForwardContextError"]
+__all__ += ["PlatformError", "PluginLoadError", "PluginLoadInterrupted", "PluginProblem", "RankCheckError"]
+__all__ += ["RankMismatchError", "RegistryFrozenError", "UnknownBackendError", "UnsupportedFeatureError"]
+__all__ += ["describe_exception", "one_line", "plugin_label", "printable", "printable_record", "safe_repr"]
 
 
 class AttnhostError(Exception):
@@ -40,12 +21,8 @@ class AttnhostError(Exception):
 
 
 class RegistryFrozenError(AttnhostError):
-    """A backend or plugin was registered after the first ``ServerArgs`` was built.
-
-    SGLang silently ignored such late registrations; here they are an error
-    because choices that argument parsing has already validated against must
-    not change underneath it.
-    """
+    """A backend or plugin was registered after the first ``ServerArgs`` was built: SGLang silently ignored such
+    late registrations, but choices that argument parsing has validated against must not change underneath it."""
 
 
 class UnknownBackendError(AttnhostError, ValueError):
@@ -69,12 +46,8 @@ class PluginLoadError(AttnhostError, RuntimeError):
 
 
 class PluginLoadInterrupted(KeyboardInterrupt):
-    """Ctrl-C arrived while a plugin was being imported; the message names the plugin and its distribution.
-
-    Still a ``KeyboardInterrupt``, so whatever stops on Ctrl-C still stops;
-    the CLI prints its one line and exits with status 130 instead of a
-    traceback through the plugin's import.
-    """
+    """Ctrl-C while a plugin was imported, naming it: still a ``KeyboardInterrupt``, so whatever stops on Ctrl-C
+    still stops, and the CLI prints this one line and exits 130, not a traceback through the plugin's import."""
 
 
 class InvalidPluginError(AttnhostError, ValueError):
@@ -82,11 +55,8 @@ class InvalidPluginError(AttnhostError, ValueError):
 
 
 class PluginProblem(Exception):
-    """Internal: why a plugin object cannot be registered; the message completes "plugin X ...: ".
-
-    Not an ``AttnhostError``: it never leaves attnhost, the loader turns it into a failed
-    plugin record (or :class:`InvalidPluginError` for an in-process registration).
-    """
+    """Internal: why a plugin object cannot be registered (the message completes "plugin X ...: "). It never
+    leaves attnhost: the loader makes it a failed plugin record, or :class:`InvalidPluginError` in-process."""
 
 
 class NoForwardContextError(AttnhostError, RuntimeError):
@@ -106,17 +76,11 @@ class RankMismatchError(RankCheckError):
 
 
 def printable(text: str) -> str:
-    """``text`` with every character a terminal would act on, rather than show, written as an escape.
+    """``text`` with whatever ``str.isprintable`` rejects written as ``repr`` escapes it (``\\x1b``, ``\\n``,
+    ``\\u202e``): one printable line, and applying it twice changes nothing more.
 
-    Plugin text (entry-point names, metadata names and versions, exception
-    messages, descriptions) reaches terminals and log files; an escape
-    sequence in it could clear the screen or forge output, and a bidi
-    override could reorder what the reader sees. So every character that
-    ``str.isprintable`` rejects (controls, line breaks, tabs, format and
-    bidi characters, lone surrogates, unassigned code points) becomes the
-    escape ``repr`` would write for it (``\\x1b``, ``\\n``, ``\\u202e``).
-    The result is one line of printable text, and applying it twice changes
-    nothing more.
+    Plugin text (entry-point names, metadata, exception messages, descriptions) reaches terminals and logs,
+    where an escape sequence could clear the screen or forge output and a bidi override reorder what is seen.
     """
     if text.isprintable():
         return text
@@ -126,9 +90,8 @@ def printable(text: str) -> str:
 def printable_record(record: logging.LogRecord) -> bool:
     """A logging filter that makes a record's message :func:`printable` (it never drops one).
 
-    The modules that log plugin text attach it to their loggers, so a
-    distribution name or an exception message from a plugin reaches no log
-    handler, attnhost's or an application's, with a control sequence in it.
+    The modules that log plugin text attach it to their loggers, so plugin text reaches no log handler,
+    attnhost's or an application's, with a control sequence in it.
     """
     try:
         message = record.getMessage()
@@ -148,10 +111,7 @@ def plugin_label(name: str, distribution: str | None, version: str | None) -> st
 
 
 def one_line(text: str) -> str:
-    """``text`` with its line breaks folded into spaces and what remains unprintable escaped (:func:`printable`).
-
-    Every warning about a plugin is one line, and none can carry a control sequence.
-    """
+    """``text`` with line breaks folded into spaces and the rest :func:`printable`: every warning is one line."""
     return printable(" ".join(text.split()))
 
 
@@ -165,11 +125,8 @@ def safe_repr(obj: object, limit: int = 60) -> str:
 
 
 def describe_exception(exc: BaseException) -> str:
-    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it.
-
-    The message is a plugin's own ``__str__``, so it may span lines or even
-    raise; neither may break the host or its one-line-per-problem output.
-    """
+    """``ValueError: message`` on one line, as warnings and ``attnhost plugins`` show it; the message is a
+    plugin's own ``__str__``, which may span lines or even raise without breaking the host or its output."""
     try:
         lines = str(exc).strip().splitlines()
     except Exception:

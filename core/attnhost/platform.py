@@ -1,10 +1,8 @@
 """Which accelerator platform this process runs on, told without importing torch.
 
-Importing torch is slow and can initialise a device; every CLI call and
-every worker asks this question first. torch records its build flavour in
-``torch/version.py`` (``hip``, ``cuda``, ``xpu``), so reading that file
-answers it; Ascend's ``torch_npu`` is a separate package whose presence
-suffices.
+Importing torch is slow and can initialise a device; every CLI call and every worker asks this question first.
+torch records its build flavour in ``torch/version.py`` (``hip``, ``cuda``, ``xpu``), so reading that file
+answers it; Ascend's ``torch_npu`` is a separate package whose presence suffices.
 """
 
 from __future__ import annotations
@@ -18,15 +16,8 @@ import sys
 from attnhost.errors import PlatformError
 from attnhost.settings import PLATFORM_ENV, current
 
-__all__ = [
-    "KNOWN_PLATFORMS",
-    "current_platform",
-    "describe_detection",
-    "detect_platform",
-    "module_installed",
-    "normalize_platform",
-    "torch_build_info",
-]
+__all__ = ["KNOWN_PLATFORMS", "current_platform", "describe_detection", "detect_platform", "module_installed"]
+__all__ += ["normalize_platform", "torch_build_info"]
 
 KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
 _SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
@@ -49,37 +40,24 @@ def normalize_platform(name: str, *, origin: str = "") -> str:
 
 @functools.lru_cache(maxsize=1)
 def torch_build_info() -> dict[str, str | None]:
-    """Read torch's build metadata from ``torch/version.py`` without executing torch.
-
-    Returns ``{}`` when torch is not installed. Values are the literal strings
-    recorded at build time (``None`` when the field is ``None``).
-    """
+    """The literal fields of ``torch/version.py`` (``None`` for ``None``), read without running torch; ``{}``: none."""
     try:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
-        return {}
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    for location in spec.submodule_search_locations:
+        spec = None
+    for location in (spec and spec.submodule_search_locations) or ():
         try:
             with open(os.path.join(location, "version.py"), encoding="utf-8") as handle:
                 text = handle.read()
         except OSError:
             continue
-        info: dict[str, str | None] = {}
-        for key, raw in _VERSION_LINE.findall(text):
-            value = raw.strip()
-            info[key] = None if value == "None" else value.strip("'\"")
-        return info
+        return {key: None if raw == "None" else raw.strip("'\"") for key, raw in _VERSION_LINE.findall(text)}
     return {}
 
 
 def module_installed(module: str) -> bool:
-    """Whether ``module`` can be imported, without importing it (only its top-level package is looked up).
-
-    ``find_spec`` of a dotted name would import the parent package, which is
-    exactly what discovery and availability checks must not do.
-    """
+    """Whether ``module`` can be imported, without importing it: only its top-level package is looked up, as
+    ``find_spec`` of a dotted name would import the parent package (what availability checks must not do)."""
     try:
         return importlib.util.find_spec(module.partition(".")[0]) is not None
     except (ImportError, ValueError):
@@ -92,12 +70,9 @@ def detect_platform() -> str:
     if module_installed("torch_npu"):
         return "npu"
     info = torch_build_info()
-    if info.get("hip"):
-        return "rocm"
-    if info.get("cuda"):
-        return "cuda"
-    if info.get("xpu"):
-        return "xpu"
+    for field, platform in (("hip", "rocm"), ("cuda", "cuda"), ("xpu", "xpu")):
+        if info.get(field):
+            return platform
     if info and sys.platform == "darwin" and os.uname().machine == "arm64":
         return "mps"
     return "cpu"
@@ -106,14 +81,12 @@ def detect_platform() -> str:
 def current_platform(override: str | None = None) -> str:
     """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection.
 
-    An override is a platform name like any other: an empty one is an error,
-    not "detect". ``ATTNHOST_PLATFORM`` is read once per process, with the
-    other settings, so a plugin's import-time code cannot move it.
+    An override is a platform name like any other: an empty one is an error, not "detect". ``ATTNHOST_PLATFORM``
+    is read once per process, with the other settings, so a plugin's import-time code cannot move it.
     """
     if override is not None:
         return normalize_platform(override)
-    from_env = current().platform
-    if from_env:
+    if from_env := current().platform:
         return normalize_platform(from_env, origin=PLATFORM_ENV)
     return detect_platform()
 
