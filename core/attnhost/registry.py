@@ -1,14 +1,15 @@
 """The registry: every backend name, its aliases, roles and provenance, immutable once built.
 
-It is rebuilt from the plugin manager whenever a registration happens before
-the freeze, and never changes after it. Outside code only ever sees read-only
-views (``names()`` returns tuples, lookups return frozen specs), so nobody can
-corrupt it the way SGLang's module-level lists could be.
+It is rebuilt whenever a registration happens before the freeze and never
+changes after it. Outside code sees only read-only views (tuples, mapping
+proxies, frozen specs), so nobody can corrupt it the way SGLang's module-level
+lists could be.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -30,7 +31,6 @@ from attnhost.hooks import call_plugin_hook
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
-
 
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
@@ -74,46 +74,41 @@ class Contribution:
 
 
 class Registry(Mapping[str, BackendSpec]):
-    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names."""
+    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names.
+
+    ``drafts`` are the draft-capable names in the order plugins declared them
+    (SGLang's list order for the built-ins), not in registration order.
+    """
 
     __slots__ = ("_aliases", "_draft", "_entries", "_order")
 
-    def __init__(
-        self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], draft_order: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], drafts: Sequence[str]) -> None:
         self._entries = MappingProxyType(dict(entries))
         self._aliases = MappingProxyType(dict(aliases))
         self._order = tuple(entries)
-        # Draft names keep the order plugins declared them in (SGLang's list order for the built-ins).
-        declared = dict.fromkeys(name for name in draft_order if name in entries and entries[name].draft)
-        rest = [name for name, entry in entries.items() if entry.draft and name not in declared]
-        self._draft = (*declared, *rest)
+        self._draft = tuple(drafts)
 
     def canonical(self, name: str) -> str | None:
-        """The canonical name for ``name`` (itself, or what it is an alias of), or None."""
-        if name in self._entries:
-            return name
-        return self._aliases.get(name)
+        """``name`` itself, or what it is an alias of; None for an unknown name."""
+        return name if name in self._entries else self._aliases.get(name)
 
     def __getitem__(self, name: str) -> BackendSpec:
         return self.entry(name).spec
 
     def entry(self, name: str) -> BackendEntry:
-        """The entry for ``name`` or an alias of it; raises ``UnknownBackendError`` with a suggestion."""
         canonical = self.canonical(name) if isinstance(name, str) else None
         if canonical is None:
             raise UnknownBackendError(self.unknown_message(name))
         return self._entries[canonical]
 
-    def unknown_message(self, name: object, what: str = "attention backend") -> str:
+    def unknown_message(self, name: object) -> str:
         """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
-        known = list(self._order) + list(self._aliases)
         import difflib  # only for an unknown name
 
-        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(str(name), [*self._order, *self._aliases], n=1, cutoff=0.6)
         if close:
-            return f"unknown {what} {name!r}; did you mean {self.canonical(close[0])!r}?"
-        return f"unknown {what} {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+            return f"unknown attention backend {name!r}; did you mean {self.canonical(close[0])!r}?"
+        return f"unknown attention backend {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None
@@ -126,14 +121,13 @@ class Registry(Mapping[str, BackendSpec]):
 
     def names(self, role: Role | None = None) -> tuple[str, ...]:
         """Canonical names in registration order; ``role="draft"`` keeps only draft-capable ones."""
-        if role is None or role == "target":
-            return self._order
         if role == "draft":
             return self._draft
+        if role in (None, "target"):
+            return self._order
         raise ValueError(f"unknown role {role!r}; use 'target' or 'draft'")
 
     def aliases(self) -> Mapping[str, str]:
-        """Alias → canonical name, read-only."""
         return self._aliases
 
     def is_draft_capable(self, name: str) -> bool:
@@ -210,33 +204,29 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
     """
     entries: dict[str, BackendEntry] = {}
     aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
-    notes: dict[str, list[str]] = {}
-    owned: dict[str, list[str]] = {}
+    notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → its notes
+    owned: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the backends it gave
     draft_order: list[str] = []
-
-    def note(plugin: PluginInfo, message: str) -> None:
-        notes.setdefault(plugin.name, []).append(one_line(message))
-
     contribs = [c for c in contributions if isinstance(c, Contribution)]
     for contrib in contribs:
         plugin = contrib.plugin
         for spec in contrib.specs:
             existing = entries.get(aliases.get(spec.name, spec.name))
             if existing is not None and existing.name != spec.name:
-                note(
-                    plugin,
+                notes[plugin.name].append(
                     f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
-                    f"{existing.name!r} from {existing.label}; ignored — rename the backend",
+                    f"{existing.name!r} from {existing.label}; ignored — rename the backend"
                 )
                 continue
             if existing is not None and (existing.spec.implemented or not spec.implemented):
                 if spec.implemented and existing.plugin == plugin.name:
-                    note(plugin, f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept")
+                    notes[plugin.name].append(
+                        f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept"
+                    )
                 elif spec.implemented:
-                    note(
-                        plugin,
+                    notes[plugin.name].append(
                         f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; keeping "
-                        f"{existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS",
+                        f"{existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS"
                     )
                 continue  # declaring a name that already exists adds nothing
             merged, declared_by = spec, None
@@ -253,25 +243,23 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
             entries[spec.name] = BackendEntry(
                 merged, plugin.name, plugin.distribution, plugin.version, False, declared_by
             )
-            owned.setdefault(plugin.name, []).append(spec.name)
+            owned[plugin.name].append(spec.name)
             for alias in spec.aliases:
                 owner = entries.get(aliases.get(alias, alias))
                 if owner is None:
                     aliases[alias] = spec.name
                 elif owner.name != spec.name:
-                    note(
-                        plugin,
+                    notes[plugin.name].append(
                         f"{plugin.origin} gives backend {spec.name!r} the alias {alias!r}, which already names "
-                        f"{owner.name!r} from {owner.label}; alias ignored",
+                        f"{owner.name!r} from {owner.label}; alias ignored"
                     )
     for contrib in contribs:
         for name in contrib.draft_names:
             owner = entries.get(aliases.get(name, name))
             if owner is None:
-                note(
-                    contrib.plugin,
+                notes[contrib.plugin.name].append(
                     f"{contrib.plugin.origin} declares draft backend {name!r}, but no plugin registered a backend "
-                    "of that name; ignored — register it from attnhost_attention_backends too",
+                    "of that name; ignored — register it from attnhost_attention_backends too"
                 )
             elif not owner.draft:
                 entries[owner.name] = replace(owner, draft=True)
@@ -282,7 +270,7 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
         replace(
             item.plugin,
             backends=tuple(owned.get(item.plugin.name, ())),
-            warnings=item.plugin.warnings + tuple(notes.get(item.plugin.name, ())),
+            warnings=item.plugin.warnings + tuple(map(one_line, notes.get(item.plugin.name, ()))),
         )
         if isinstance(item, Contribution)
         else replace(item, backends=())

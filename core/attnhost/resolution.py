@@ -89,7 +89,7 @@ class Resolution:
 
 
 def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
-    """Ask a firstresult platform hook plugin by plugin, in pluggy's order, attributing the answer.
+    """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order.
 
     An implementation that raises or answers with a name the registry cannot
     use is skipped with a warning, so one broken platform plugin cannot stop
@@ -97,7 +97,8 @@ def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, dra
     """
     pm = default_host().plugin_manager()
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):  # pluggy calls the last registered first
-        where = f"plugin {printable(repr(impl.plugin_name))}: hook {hook_name}({platform!r})"
+        plugin = printable(repr(impl.plugin_name))
+        where = f"plugin {plugin}: hook {hook_name}({platform!r})"
         try:
             answer = call_plugin_hook(pm, hook_name, impl.plugin_name, None, platform=platform)
         except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not stop the server either
@@ -111,7 +112,7 @@ def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, dra
         elif draft and not registry.is_draft_capable(canonical):
             logger.warning("%s answered %r, which is not draft-capable; ignored", where, canonical)
         else:
-            return canonical, impl.plugin_name
+            return canonical, f"hook {hook_name}, plugin {plugin}"
     raise AttnhostError(f"no plugin answered {hook_name}({platform!r}); is the built-in plugin installed?")
 
 
@@ -154,11 +155,8 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
     prefill, decode = args.get_attention_backends()
     default = ""
     if prefill is None or decode is None:
-        default, plugin = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
-        trace.append(
-            f"no attention backend flag set: the default for platform {platform} is {default!r} "
-            f"(hook attnhost_default_attention_backend, plugin {printable(repr(plugin))})"
-        )
+        default, source = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
+        trace.append(f"no attention backend flag set: the default for platform {platform} is {default!r} ({source})")
     for half, chosen, specific in (
         ("prefill", prefill, args.prefill_attention_backend),
         ("decode", decode, args.decode_attention_backend),
@@ -183,33 +181,26 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
     candidate = args.speculative_draft_attention_backend
     how = "given by --speculative-draft-attention-backend"
     if candidate is not None:
-        trace.append(f"draft: {candidate!r} given by --speculative-draft-attention-backend")
-    else:
-        candidate = args.get_attention_backends()[0]
+        trace.append(f"draft: {candidate!r} {how}")
+    elif (candidate := args.get_attention_backends()[0]) is not None:
         how = "inherited from the target's prefill backend"
-        if candidate is not None:
-            trace.append(
-                "draft: no --speculative-draft-attention-backend; "
-                f"inheriting the target's prefill backend {candidate!r}"
-            )
-    if candidate is None:
-        fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
         trace.append(
-            f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
-            f"{platform} (hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
+            f"draft: no --speculative-draft-attention-backend; inheriting the target's prefill backend {candidate!r}"
         )
-        how = f"the draft fallback for {platform}, as no backend was named for target or draft"
-        return _draft(registry, trace, fallback, how, platform)
-    if registry.is_draft_capable(candidate):
+    if candidate is not None and registry.is_draft_capable(candidate):
         trace.append(f"draft: {candidate!r} is draft-capable; using it")
         return _draft(registry, trace, candidate, how, platform)
     capable = registry.names("draft")
-    fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
+    fallback, source = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
+    if candidate is None:
+        trace.append(
+            f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
+            f"{platform} ({source})"
+        )
+        how = f"the draft fallback for {platform}, as no backend was named for target or draft"
+        return _draft(registry, trace, fallback, how, platform)
     trace.append(f"draft: {candidate!r} is not draft-capable (draft-capable: {', '.join(capable)})")
-    trace.append(
-        f"draft: falling back to {fallback!r}, the draft fallback for {platform} "
-        f"(hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
-    )
+    trace.append(f"draft: falling back to {fallback!r}, the draft fallback for {platform} ({source})")
     warning = (
         f"draft worker only supports attention backends in [{', '.join(capable)}], but got {candidate!r}; "
         f"falling back to {fallback!r} on {platform}"
