@@ -7,6 +7,7 @@ worker and every CLI call imports it, and most need only a fraction.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -34,7 +35,6 @@ _PUBLIC: dict[str, str] = {
     "runner": "ModelRunner",
     "context": "dispatch_attention_backend get_attn_backend",
 }
-"""Submodule → the public names it defines: the one table ``__all__`` and the lazy exports are made from."""
 
 _MODULE_OF = {name: f"attnhost.{module}" for module, names in _PUBLIC.items() for name in names.split()}
 __all__ = sorted(_MODULE_OF)
@@ -44,8 +44,6 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'attnhost' has no attribute {name!r}")
-    import importlib
-
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:

@@ -11,20 +11,13 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import pluggy
 
 from attnhost.spec import BackendSpec
 
-__all__ = [
-    "HOOK_NAMES",
-    "PROJECT_NAME",
-    "AttnhostHookSpecs",
-    "call_plugin_hook",
-    "hookimpl",
-    "plugin_output",
-]
+__all__ = ["HOOK_NAMES", "PROJECT_NAME", "AttnhostHookSpecs", "call_plugin_hook", "hookimpl", "plugin_output"]
 
 PROJECT_NAME = "attnhost"
 
@@ -66,10 +59,10 @@ HOOK_NAMES: tuple[str, ...] = tuple(name for name in vars(AttnhostHookSpecs) if 
 def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str, default: Any, **kwargs: Any) -> Any:
     """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook.
 
-    attnhost asks plugins one at a time, so that an exception or a bad answer
-    is blamed on that plugin alone and the trace can say who answered; but
-    the call itself is pluggy's, so an implementation may take any subset of
-    the hook's arguments. What the plugin prints goes to stderr.
+    Plugins are asked one at a time, so that an exception or a bad answer is
+    blamed on that plugin alone and the trace can say who answered; the call
+    is still pluggy's, so an implementation may take any subset of the hook's
+    arguments. What the plugin prints goes to stderr.
     """
     caller: pluggy.HookCaller = getattr(pm.hook, hook_name)
     plugin = pm.get_plugin(plugin_name)
@@ -77,7 +70,7 @@ def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str,
     others = [impl.plugin for impl in impls if impl.plugin is not plugin]  # the others that implement it
     if plugin is None or len(others) == len(impls):
         return default
-    only = pm.subset_hook_caller(hook_name, remove_plugins=others) if others else caller
+    only = pm.subset_hook_caller(hook_name, remove_plugins=others)
     with plugin_output():
         answer = only(**kwargs)
     if caller.spec is not None and caller.spec.opts.get("firstresult"):
@@ -88,11 +81,8 @@ def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str,
 class _PluginStdout:
     """``sys.stdout`` while plugin code runs: the plugin's thread writes to stderr, every other thread to stdout."""
 
-    def __init__(self, stdout: TextIO | Any) -> None:
-        self._stdout = stdout
-
     def __getattr__(self, name: str) -> Any:
-        return getattr(sys.stderr if getattr(_in_plugin, "depth", 0) else self._stdout, name)
+        return getattr(sys.stderr if getattr(_in_plugin, "depth", 0) else _saved_stdout, name)
 
 
 _in_plugin = threading.local()
@@ -107,16 +97,15 @@ def plugin_output() -> Iterator[None]:
 
     stdout belongs to the program's own output (``attnhost list --json`` must
     stay valid JSON). Unlike ``contextlib.redirect_stdout`` this is safe
-    across threads: only the thread running the plugin writes to stderr, and
-    nested or overlapping uses restore the real stdout once the last one ends
-    (undoing any replacement a plugin made).
+    across threads, and the last of nested or overlapping uses restores the
+    real stdout (undoing any replacement a plugin made).
     """
     global _stdout_users, _saved_stdout
     _in_plugin.depth = getattr(_in_plugin, "depth", 0) + 1
     with _stdout_lock:
         if _stdout_users == 0:
             _saved_stdout = sys.stdout
-            sys.stdout = _PluginStdout(_saved_stdout)
+            sys.stdout = _PluginStdout()
         _stdout_users += 1
     try:
         yield
@@ -125,5 +114,4 @@ def plugin_output() -> Iterator[None]:
             _stdout_users -= 1
             if _stdout_users == 0:
                 sys.stdout = _saved_stdout
-                _saved_stdout = None
         _in_plugin.depth -= 1

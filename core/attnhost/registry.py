@@ -1,9 +1,8 @@
 """The registry: every backend name, its aliases, roles and provenance, immutable once built.
 
-It is rebuilt whenever a registration happens before the freeze and never
-changes after it. Outside code sees only read-only views (tuples, mapping
-proxies, frozen specs), so nobody can corrupt it the way SGLang's module-level
-lists could be.
+It is rebuilt on each registration before the freeze and never changes after
+it. Outside code sees only read-only views, so nobody can corrupt it the way
+SGLang's module-level lists could be.
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ class BackendEntry:
     version: str | None
     draft: bool = False
     declared_by: str | None = None
-    """The plugin that declared the name before ``plugin`` implemented it, if any."""
 
     @property
     def name(self) -> str:
@@ -56,7 +54,6 @@ class BackendEntry:
 
     @property
     def label(self) -> str:
-        """How messages name the plugin that gave this backend."""
         return plugin_label(self.plugin, self.distribution, self.version)
 
     @property
@@ -76,8 +73,7 @@ class Contribution:
 class Registry(Mapping[str, BackendSpec]):
     """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names.
 
-    ``drafts`` are the draft-capable names in the order plugins declared them
-    (SGLang's list order for the built-ins), not in registration order.
+    ``drafts`` keeps the order plugins declared them in (SGLang's for the built-ins).
     """
 
     __slots__ = ("_aliases", "_draft", "_entries", "_order")
@@ -161,11 +157,9 @@ def _expect_sequence(value: object, hook_name: str, item_type: type, item_label:
 def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo]) -> list[Contribution | PluginInfo]:
     """Ask each loaded plugin's hooks in turn; a plugin whose hook fails yields a failed ``PluginInfo``.
 
-    One item out per item in, in order. Each plugin is asked on its own (see
-    :func:`~attnhost.hooks.call_plugin_hook`), so that one plugin's exception
-    or bad return value is blamed on it alone and the others' contributions
-    survive. A failed plugin is left registered: the caller, which owns the
-    manager, unregisters it.
+    One item out per item in, in order; one plugin's exception or bad answer
+    fails that plugin alone. A failed plugin is left registered: the caller,
+    which owns the manager, unregisters it.
     """
     out: list[Contribution | PluginInfo] = []
     for info in plugins:
@@ -196,15 +190,14 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
 def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
     """Merge contributions in order into a registry; returns it and the final plugin records.
 
-    Every collision is resolved the same way each time (the first registered
-    wins, an implementation fills a declared-only name) and noted on the
-    plugin that lost. Notes are not logged here: the registry is rebuilt on
-    every pre-freeze registration, and the host logs each note once
-    (``PluginInfo.warnings`` keeps them for ``attnhost plugins``).
+    The first registration of a name wins, except that an implementation fills
+    a declared-only name; each collision is noted on the plugin that lost. The
+    notes are not logged here, as the registry is rebuilt on every pre-freeze
+    registration: the host logs each once.
     """
     entries: dict[str, BackendEntry] = {}
     aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
-    notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → its notes
+    notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the collisions it lost
     owned: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the backends it gave
     draft_order: list[str] = []
     contribs = [c for c in contributions if isinstance(c, Contribution)]

@@ -1,10 +1,9 @@
 """Which backends the target and the draft model run, and a trace of why.
 
 Operators debug "why is my draft on flashinfer?" from this trace, so every
-decision appends one readable step. The draft rule is SGLang #35932's; draft
-capability is asked of the registry only, never of a private list. A draft
-backend that cannot run here (flashinfer, the fallback, on a CPU machine) is
-marked so, with the way out, before any runner tries to build it.
+decision appends one readable step. A draft backend that cannot run here
+(flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
+before any runner tries to build it.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ logger.addFilter(printable_record)  # plugin text in a log line is escaped
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Decision:
     platform: str
-    """The platform the names were resolved for."""
     trace: tuple[str, ...]
     """Every step and its reason, in order, as ``attnhost resolve`` prints them."""
 
@@ -52,14 +50,13 @@ class TargetResolution(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DraftResolution(_Decision):
-    """The draft model's backend. ``fell_back`` is true only when a named backend was rejected."""
+    """The draft model's backend. ``fell_back`` is true only when a named backend (``rejected``) cannot draft."""
 
     name: str
     fell_back: bool = False
     warning: str | None = None
     """SGLang's warning when a named backend was rejected for drafting."""
     rejected: str | None = None
-    """The backend that was named but cannot draft, when ``fell_back``."""
     available: bool = True
     """Whether ``name`` can run on ``platform`` (a fallback often cannot: flashinfer on a CPU machine)."""
     problem: str | None = None
@@ -91,9 +88,8 @@ class Resolution:
 def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
     """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order.
 
-    An implementation that raises or answers with a name the registry cannot
-    use is skipped with a warning, so one broken platform plugin cannot stop
-    resolution while the built-in answer still exists.
+    An implementation that raises or answers a name the registry cannot use is
+    skipped with a warning: one broken platform plugin cannot stop resolution.
     """
     pm = default_host().plugin_manager()
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):  # pluggy calls the last registered first
@@ -121,11 +117,11 @@ def _runs_here(registry: Registry, names: tuple[str, ...], platform: str) -> lis
 
 
 def _draft(registry: Registry, trace: list[str], name: str, how: str, platform: str, **kw: Any) -> DraftResolution:
-    """The draft result for ``name``, marked unavailable (with the way out) when it cannot run on ``platform``.
+    """The draft result for ``name``; when it cannot run on ``platform``, the problem and the ways out.
 
-    The problem names the backend, its plugin, how it was chosen and the
-    ways out: the user may never have named it (a fallback), so "choose
-    another backend" alone would not say which or how.
+    The user may never have named the backend (a fallback), so the problem
+    says how it was chosen and which other backend would run, not just
+    "choose another backend".
     """
     entry = registry.entry(name)
     reason = check_availability(entry, platform).reason

@@ -1,9 +1,8 @@
 """``ServerArgs``: the immutable attention settings, validated against the frozen registry.
 
-Building the first one freezes the registry, because from then on argument
-values have been checked against the set of choices and that set must not
-move. Args are never written after construction — the bug of SGLang #28559
-was exactly a runner writing into shared args.
+Building the first one freezes the registry: its values were checked against
+the choices, so the choices must not move. Args are never written after
+construction — SGLang #28559 was a runner writing into shared args.
 """
 
 from __future__ import annotations
@@ -67,9 +66,9 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add SGLang's attention flags; choices come from every installed plugin.
 
-        The parser holds a copy of the choices, so building it freezes the
-        registry: a registration after it raises ``RegistryFrozenError``
-        instead of leaving the parser to reject the new name.
+        The parser holds a copy of the choices, so this freezes the registry: a
+        later registration raises ``RegistryFrozenError`` instead of leaving the
+        parser to reject the new name.
         """
         registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
         targets = _offer(registry, registry.names())
@@ -96,8 +95,7 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServerArgs:
         """Build from a namespace parsed with a parser that ``add_cli_args`` set up."""
-        values = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
-        return cls(**values)
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)})
 
 
 def _offer(registry: Registry, names: tuple[str, ...]) -> str:
