@@ -81,8 +81,11 @@ def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str,
 class _PluginStdout:
     """``sys.stdout`` while plugin code runs: the plugin's thread writes to stderr, every other thread to stdout."""
 
+    def __init__(self, stdout: Any) -> None:
+        self._stdout = stdout  # its own reference: a proxy a plugin kept and reinstalled still resolves
+
     def __getattr__(self, name: str) -> Any:
-        return getattr(sys.stderr if getattr(_in_plugin, "depth", 0) else _saved_stdout, name)
+        return getattr(sys.stderr if getattr(_in_plugin, "depth", 0) else self._stdout, name)
 
 
 _in_plugin = threading.local()
@@ -105,7 +108,7 @@ def plugin_output() -> Iterator[None]:
     with _stdout_lock:
         if _stdout_users == 0:
             _saved_stdout = sys.stdout
-            sys.stdout = _PluginStdout()
+            sys.stdout = _PluginStdout(_saved_stdout)
         _stdout_users += 1
     try:
         yield

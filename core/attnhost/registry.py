@@ -140,8 +140,7 @@ class _BadReturn(TypeError):
 
 
 def _expect_sequence(value: object, hook_name: str, item_type: type, item_label: str) -> tuple[Any, ...]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        # None included: pluggy would drop it silently, but a plugin that answers None has a bug worth seeing.
+    if not isinstance(value, (list, tuple)):  # a str is no list; nor is None, which a plugin returns by mistake
         raise _BadReturn(
             f"{hook_name}() returned {type(value).__name__} {safe_repr(value)}; it must return a list of {item_label}s"
         )

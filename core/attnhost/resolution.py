@@ -153,14 +153,12 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
     if prefill is None or decode is None:
         default, source = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
         trace.append(f"no attention backend flag set: the default for platform {platform} is {default!r} ({source})")
-    for half, chosen, specific in (
-        ("prefill", prefill, args.prefill_attention_backend),
-        ("decode", decode, args.decode_attention_backend),
-    ):
+    for half, chosen in (("prefill", prefill), ("decode", decode)):
         if chosen is None:
             trace.append(f"target {half}: {default!r} (platform default)")
         else:
-            flag = f"--{half}-attention-backend" if specific is not None else "--attention-backend"
+            specific = getattr(args, f"{half}_attention_backend") is not None
+            flag = f"--{half}-attention-backend" if specific else "--attention-backend"
             trace.append(f"target {half}: {chosen!r} (from {flag})")
     return TargetResolution(prefill=prefill or default, decode=decode or default, platform=platform, trace=tuple(trace))
 
