@@ -1,12 +1,14 @@
 """attnhost: a plugin host for LLM attention backends, with SGLang's names and semantics.
 
-Every public name is imported lazily (PEP 562) from the one table below:
-``import attnhost`` pulls in neither torch nor pluggy, because every serving
-worker and every CLI call imports it, and most need only a fraction.
+Every public name is imported lazily (PEP 562) from the one table below, which
+also makes ``__all__``: ``import attnhost`` pulls in neither torch nor pluggy,
+because every serving worker and every CLI call imports it, and most need only
+a fraction.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -34,7 +36,6 @@ _PUBLIC: dict[str, str] = {
     "runner": "ModelRunner",
     "context": "dispatch_attention_backend get_attn_backend",
 }
-"""Submodule → the public names it defines: the one table ``__all__`` and the lazy exports are made from."""
 
 _MODULE_OF = {name: f"attnhost.{module}" for module, names in _PUBLIC.items() for name in names.split()}
 __all__ = sorted(_MODULE_OF)
@@ -44,8 +45,6 @@ def __getattr__(name: str) -> Any:
     module = _MODULE_OF.get(name)
     if module is None:
         raise AttributeError(f"module 'attnhost' has no attribute {name!r}")
-    import importlib
-
     try:
         value = getattr(importlib.import_module(module), name)
     except ModuleNotFoundError as exc:

@@ -11,21 +11,13 @@ import contextlib
 import sys
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 import pluggy
 
 from attnhost.spec import BackendSpec
 
-__all__ = [
-    "HOOK_NAMES",
-    "NOT_IMPLEMENTED",
-    "PROJECT_NAME",
-    "AttnhostHookSpecs",
-    "call_plugin_hook",
-    "hookimpl",
-    "plugin_output",
-]
+__all__ = ["HOOK_NAMES", "PROJECT_NAME", "AttnhostHookSpecs", "call_plugin_hook", "hookimpl", "plugin_output"]
 
 PROJECT_NAME = "attnhost"
 
@@ -64,28 +56,21 @@ class AttnhostHookSpecs:
 HOOK_NAMES: tuple[str, ...] = tuple(name for name in vars(AttnhostHookSpecs) if name.startswith("attnhost_"))
 
 
-NOT_IMPLEMENTED: Any = object()
-"""What :func:`call_plugin_hook` returns for a plugin without that hook (``None`` is an answer)."""
+def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str, default: Any, **kwargs: Any) -> Any:
+    """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook.
 
-
-def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str, **kwargs: Any) -> Any:
-    """One plugin's answer to a hook, called by pluggy exactly as a full hook call would call it.
-
-    attnhost asks plugins one at a time, so that an exception or a bad
-    answer is blamed on that plugin alone and the trace can say who
-    answered; but the call itself is pluggy's (an implementation may take
-    any subset of the hook's arguments, by name). What the plugin prints
-    goes to stderr: stdout belongs to the command's output (``--json``).
-    Returns the plugin's return value (``None`` included), or
-    :data:`NOT_IMPLEMENTED`.
+    Plugins are asked one at a time, so that an exception or a bad answer is
+    blamed on that plugin alone and the trace can say who answered; the call
+    is still pluggy's, so an implementation may take any subset of the hook's
+    arguments. What the plugin prints goes to stderr.
     """
     caller: pluggy.HookCaller = getattr(pm.hook, hook_name)
     plugin = pm.get_plugin(plugin_name)
     impls = caller.get_hookimpls()
     others = [impl.plugin for impl in impls if impl.plugin is not plugin]  # the others that implement it
     if plugin is None or len(others) == len(impls):
-        return NOT_IMPLEMENTED
-    only = pm.subset_hook_caller(hook_name, remove_plugins=others) if others else caller
+        return default
+    only = pm.subset_hook_caller(hook_name, remove_plugins=others)
     with plugin_output():
         answer = only(**kwargs)
     if caller.spec is not None and caller.spec.opts.get("firstresult"):
@@ -96,18 +81,11 @@ def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str,
 class _PluginStdout:
     """``sys.stdout`` while plugin code runs: the plugin's thread writes to stderr, every other thread to stdout."""
 
-    def __init__(self, stdout: TextIO | Any) -> None:
-        self._stdout = stdout
-
-    def _target(self) -> Any:
-        return sys.stderr if getattr(_in_plugin, "depth", 0) else self._stdout
-
-    def write(self, text: str) -> int:
-        written: int = self._target().write(text)
-        return written
+    def __init__(self, stdout: Any) -> None:
+        self._stdout = stdout  # its own reference: a proxy a plugin kept and reinstalled still resolves
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._target(), name)
+        return getattr(sys.stderr if getattr(_in_plugin, "depth", 0) else self._stdout, name)
 
 
 _in_plugin = threading.local()
@@ -121,11 +99,9 @@ def plugin_output() -> Iterator[None]:
     """Run plugin code (an import, a hook, a factory's import) with what it prints sent to stderr.
 
     stdout belongs to the program's own output (``attnhost list --json`` must
-    stay valid JSON), and plugin code prints debug lines. Unlike
-    ``contextlib.redirect_stdout`` this is safe across threads: only the
-    thread running the plugin writes to stderr while another thread's output
-    still goes to stdout, and nested or overlapping uses restore the real
-    stdout once the last one ends (undoing any replacement a plugin made).
+    stay valid JSON). Unlike ``contextlib.redirect_stdout`` this is safe
+    across threads, and the last of nested or overlapping uses restores the
+    real stdout (undoing any replacement a plugin made).
     """
     global _stdout_users, _saved_stdout
     _in_plugin.depth = getattr(_in_plugin, "depth", 0) + 1
@@ -141,5 +117,4 @@ def plugin_output() -> Iterator[None]:
             _stdout_users -= 1
             if _stdout_users == 0:
                 sys.stdout = _saved_stdout
-                _saved_stdout = None
         _in_plugin.depth -= 1

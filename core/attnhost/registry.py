@@ -1,14 +1,14 @@
 """The registry: every backend name, its aliases, roles and provenance, immutable once built.
 
-It is rebuilt from the plugin manager whenever a registration happens before
-the freeze, and never changes after it. Outside code only ever sees read-only
-views (``names()`` returns tuples, lookups return frozen specs), so nobody can
-corrupt it the way SGLang's module-level lists could be.
+It is rebuilt on each registration before the freeze and never changes after
+it. Outside code sees only read-only views, so nobody can corrupt it the way
+SGLang's module-level lists could be.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -26,11 +26,10 @@ from attnhost.errors import (
     printable_record,
     safe_repr,
 )
-from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
+from attnhost.hooks import call_plugin_hook
 from attnhost.spec import BackendSpec, check_backend_name
 
 __all__ = ["BackendEntry", "Contribution", "Registry", "Role", "build_registry", "collect_contributions"]
-
 
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
@@ -48,7 +47,6 @@ class BackendEntry:
     version: str | None
     draft: bool = False
     declared_by: str | None = None
-    """The plugin that declared the name before ``plugin`` implemented it, if any."""
 
     @property
     def name(self) -> str:
@@ -56,7 +54,6 @@ class BackendEntry:
 
     @property
     def label(self) -> str:
-        """How messages name the plugin that gave this backend."""
         return plugin_label(self.plugin, self.distribution, self.version)
 
     @property
@@ -74,46 +71,40 @@ class Contribution:
 
 
 class Registry(Mapping[str, BackendSpec]):
-    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names."""
+    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names.
+
+    ``drafts`` keeps the order plugins declared them in (SGLang's for the built-ins).
+    """
 
     __slots__ = ("_aliases", "_draft", "_entries", "_order")
 
-    def __init__(
-        self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], draft_order: Sequence[str] = ()
-    ) -> None:
+    def __init__(self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], drafts: Sequence[str]) -> None:
         self._entries = MappingProxyType(dict(entries))
         self._aliases = MappingProxyType(dict(aliases))
         self._order = tuple(entries)
-        # Draft names keep the order plugins declared them in (SGLang's list order for the built-ins).
-        declared = dict.fromkeys(name for name in draft_order if name in entries and entries[name].draft)
-        rest = [name for name, entry in entries.items() if entry.draft and name not in declared]
-        self._draft = (*declared, *rest)
+        self._draft = tuple(drafts)
 
     def canonical(self, name: str) -> str | None:
-        """The canonical name for ``name`` (itself, or what it is an alias of), or None."""
-        if name in self._entries:
-            return name
-        return self._aliases.get(name)
+        """``name`` itself, or what it is an alias of; None for an unknown name."""
+        return name if name in self._entries else self._aliases.get(name)
 
     def __getitem__(self, name: str) -> BackendSpec:
         return self.entry(name).spec
 
     def entry(self, name: str) -> BackendEntry:
-        """The entry for ``name`` or an alias of it; raises ``UnknownBackendError`` with a suggestion."""
         canonical = self.canonical(name) if isinstance(name, str) else None
         if canonical is None:
             raise UnknownBackendError(self.unknown_message(name))
         return self._entries[canonical]
 
-    def unknown_message(self, name: object, what: str = "attention backend") -> str:
+    def unknown_message(self, name: object) -> str:
         """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
-        known = list(self._order) + list(self._aliases)
         import difflib  # only for an unknown name
 
-        close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(str(name), [*self._order, *self._aliases], n=1, cutoff=0.6)
         if close:
-            return f"unknown {what} {name!r}; did you mean {self.canonical(close[0])!r}?"
-        return f"unknown {what} {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+            return f"unknown attention backend {name!r}; did you mean {self.canonical(close[0])!r}?"
+        return f"unknown attention backend {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None
@@ -126,14 +117,13 @@ class Registry(Mapping[str, BackendSpec]):
 
     def names(self, role: Role | None = None) -> tuple[str, ...]:
         """Canonical names in registration order; ``role="draft"`` keeps only draft-capable ones."""
-        if role is None or role == "target":
-            return self._order
         if role == "draft":
             return self._draft
+        if role in (None, "target"):
+            return self._order
         raise ValueError(f"unknown role {role!r}; use 'target' or 'draft'")
 
     def aliases(self) -> Mapping[str, str]:
-        """Alias → canonical name, read-only."""
         return self._aliases
 
     def is_draft_capable(self, name: str) -> bool:
@@ -150,18 +140,15 @@ class _BadReturn(TypeError):
 
 
 def _expect_sequence(value: object, hook_name: str, item_type: type, item_label: str) -> tuple[Any, ...]:
-    if value is NOT_IMPLEMENTED:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        # None included: pluggy would drop it silently, but a plugin that answers None has a bug worth seeing.
+    if not isinstance(value, (list, tuple)):  # a str is no list; nor is None, which a plugin returns by mistake
         raise _BadReturn(
-            f"{hook_name}() returned {type(value).__name__} {safe_repr(value)}; it must return a list of {item_label}"
+            f"{hook_name}() returned {type(value).__name__} {safe_repr(value)}; it must return a list of {item_label}s"
         )
     for item in value:
         if not isinstance(item, item_type):
             raise _BadReturn(
                 f"{hook_name}() returned a list containing {type(item).__name__} {safe_repr(item)}; "
-                f"every item must be a {item_label[:-1] if item_label.endswith('s') else item_label}"
+                f"every item must be a {item_label}"
             )
     return tuple(value)
 
@@ -169,11 +156,9 @@ def _expect_sequence(value: object, hook_name: str, item_type: type, item_label:
 def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo]) -> list[Contribution | PluginInfo]:
     """Ask each loaded plugin's hooks in turn; a plugin whose hook fails yields a failed ``PluginInfo``.
 
-    One item out per item in, in order. Hooks are asked per plugin (each
-    call still made by pluggy) rather than through one fan-out, so that one
-    plugin's exception or bad return value is attributed to it alone and
-    the others' contributions survive. A failed plugin is left registered:
-    the caller, which owns the manager, unregisters it.
+    One item out per item in, in order; one plugin's exception or bad answer
+    fails that plugin alone. A failed plugin is left registered: the caller,
+    which owns the manager, unregisters it.
     """
     out: list[Contribution | PluginInfo] = []
     for info in plugins:
@@ -182,9 +167,9 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
             continue
         hook = "attnhost_attention_backends"
         try:
-            specs = _expect_sequence(call_plugin_hook(pm, hook, info.name), hook, BackendSpec, "BackendSpecs")
+            specs = _expect_sequence(call_plugin_hook(pm, hook, info.name, ()), hook, BackendSpec, "BackendSpec")
             hook = "attnhost_draft_attention_backends"
-            drafts = _expect_sequence(call_plugin_hook(pm, hook, info.name), hook, str, "backend names")
+            drafts = _expect_sequence(call_plugin_hook(pm, hook, info.name, ()), hook, str, "backend name")
             for draft_name in drafts:
                 check_backend_name(draft_name, "draft backend name")
         except KeyboardInterrupt:
@@ -201,112 +186,86 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
     return out
 
 
-class _Merger:
-    """Merges contributions in order; collisions are resolved deterministically and reported."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, BackendEntry] = {}
-        self.aliases: dict[str, str] = {}
-        self.notes: dict[str, list[str]] = {}
-        self.owned: dict[str, list[str]] = {}
-        self.draft_order: list[str] = []
-
-    def _note(self, plugin: PluginInfo, message: str) -> None:
-        # Not logged here: the registry is rebuilt on every pre-freeze registration, and the
-        # host logs each note once (PluginInfo.warnings keeps them for `attnhost plugins`).
-        self.notes.setdefault(plugin.name, []).append(one_line(message))
-
-    def _owner(self, name: str) -> BackendEntry | None:
-        canonical = name if name in self.entries else self.aliases.get(name)
-        return self.entries.get(canonical) if canonical else None
-
-    def add_spec(self, plugin: PluginInfo, spec: BackendSpec) -> None:
-        existing = self._owner(spec.name)
-        if existing is None:
-            self.entries[spec.name] = BackendEntry(spec, plugin.name, plugin.distribution, plugin.version)
-            self.owned.setdefault(plugin.name, []).append(spec.name)
-        elif existing.name != spec.name:
-            self._note(
-                plugin,
-                f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
-                f"{existing.name!r} from {existing.label}; ignored — rename the backend",
-            )
-            return
-        elif spec.implemented and not existing.spec.implemented:
-            merged = replace(
-                spec,
-                aliases=tuple(dict.fromkeys(existing.spec.aliases + spec.aliases)),
-                platforms=spec.platforms or existing.spec.platforms,
-                requires=spec.requires or existing.spec.requires,
-                provided_by=spec.provided_by or existing.spec.provided_by,
-                description=spec.description or existing.spec.description,
-            )
-            self.entries[spec.name] = BackendEntry(
-                merged, plugin.name, plugin.distribution, plugin.version, existing.draft, existing.plugin
-            )
-            self.owned.setdefault(plugin.name, []).append(spec.name)
-        elif spec.implemented and existing.plugin == plugin.name:
-            self._note(plugin, f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept")
-            return
-        elif spec.implemented:
-            self._note(
-                plugin,
-                f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; "
-                f"keeping {existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS",
-            )
-            return
-        else:
-            return  # declaring a name that already exists adds nothing
-        for alias in spec.aliases:
-            self.add_alias(plugin, spec.name, alias)
-
-    def add_alias(self, plugin: PluginInfo, canonical: str, alias: str) -> None:
-        owner = self._owner(alias)
-        if owner is None:
-            self.aliases[alias] = canonical
-        elif owner.name != canonical:
-            self._note(
-                plugin,
-                f"{plugin.origin} gives backend {canonical!r} the alias {alias!r}, which already names "
-                f"{owner.name!r} from {owner.label}; alias ignored",
-            )
-
-    def add_draft(self, plugin: PluginInfo, name: str) -> None:
-        owner = self._owner(name)
-        if owner is None:
-            self._note(
-                plugin,
-                f"{plugin.origin} declares draft backend {name!r}, but no plugin registered a backend of that "
-                "name; ignored — register it from attnhost_attention_backends too",
-            )
-            return
-        if not owner.draft:
-            self.entries[owner.name] = replace(owner, draft=True)
-            self.draft_order.append(owner.name)
-
-
 def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
-    """Merge contributions in order into a registry; returns it and the final plugin records."""
-    merger = _Merger()
+    """Merge contributions in order into a registry; returns it and the final plugin records.
+
+    The first registration of a name wins, except that an implementation fills
+    a declared-only name; each collision is noted on the plugin that lost. The
+    notes are not logged here, as the registry is rebuilt on every pre-freeze
+    registration: the host logs each once.
+    """
+    entries: dict[str, BackendEntry] = {}
+    aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
+    notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the collisions it lost
+    owned: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the backends it gave
+    draft_order: list[str] = []
     contribs = [c for c in contributions if isinstance(c, Contribution)]
     for contrib in contribs:
+        plugin = contrib.plugin
         for spec in contrib.specs:
-            merger.add_spec(contrib.plugin, spec)
+            existing = entries.get(aliases.get(spec.name, spec.name))
+            if existing is not None and existing.name != spec.name:
+                notes[plugin.name].append(
+                    f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
+                    f"{existing.name!r} from {existing.label}; ignored — rename the backend"
+                )
+                continue
+            if existing is not None and (existing.spec.implemented or not spec.implemented):
+                if spec.implemented and existing.plugin == plugin.name:
+                    notes[plugin.name].append(
+                        f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept"
+                    )
+                elif spec.implemented:
+                    notes[plugin.name].append(
+                        f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; keeping "
+                        f"{existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS"
+                    )
+                continue  # declaring a name that already exists adds nothing
+            merged, declared_by = spec, None
+            if existing is not None:  # implementing a declared-only name keeps what the declaration said
+                declared_by = existing.plugin
+                merged = replace(
+                    spec,
+                    aliases=tuple(dict.fromkeys(existing.spec.aliases + spec.aliases)),
+                    platforms=spec.platforms or existing.spec.platforms,
+                    requires=spec.requires or existing.spec.requires,
+                    provided_by=spec.provided_by or existing.spec.provided_by,
+                    description=spec.description or existing.spec.description,
+                )
+            entries[spec.name] = BackendEntry(
+                merged, plugin.name, plugin.distribution, plugin.version, False, declared_by
+            )
+            owned[plugin.name].append(spec.name)
+            for alias in spec.aliases:
+                owner = entries.get(aliases.get(alias, alias))
+                if owner is None:
+                    aliases[alias] = spec.name
+                elif owner.name != spec.name:
+                    notes[plugin.name].append(
+                        f"{plugin.origin} gives backend {spec.name!r} the alias {alias!r}, which already names "
+                        f"{owner.name!r} from {owner.label}; alias ignored"
+                    )
     for contrib in contribs:
         for name in contrib.draft_names:
-            merger.add_draft(contrib.plugin, name)
-    plugins: list[PluginInfo] = []
-    for item in contributions:
-        if not isinstance(item, Contribution):
-            # Not loaded, failed or a duplicate: it contributed nothing, even when a loaded plugin of another
-            # distribution has the same name (the merger's books are keyed by plugin name).
-            plugins.append(replace(item, backends=()))
-            continue
-        plugins.append(
-            replace(
-                item.plugin,
-                backends=tuple(merger.owned.get(item.plugin.name, ())),
-                warnings=item.plugin.warnings + tuple(merger.notes.get(item.plugin.name, ())),
-            )
+            owner = entries.get(aliases.get(name, name))
+            if owner is None:
+                notes[contrib.plugin.name].append(
+                    f"{contrib.plugin.origin} declares draft backend {name!r}, but no plugin registered a backend "
+                    "of that name; ignored — register it from attnhost_attention_backends too"
+                )
+            elif not owner.draft:
+                entries[owner.name] = replace(owner, draft=True)
+                draft_order.append(owner.name)
+    # A record that is not a contribution (not loaded, failed, a duplicate) contributed nothing, even when a
+    # loaded plugin of another distribution has the same name (the books above are keyed by plugin name).
+    plugins = [
+        replace(
+            item.plugin,
+            backends=tuple(owned.get(item.plugin.name, ())),
+            warnings=item.plugin.warnings + tuple(map(one_line, notes.get(item.plugin.name, ()))),
         )
-    return Registry(merger.entries, merger.aliases, merger.draft_order), plugins
+        if isinstance(item, Contribution)
+        else replace(item, backends=())
+        for item in contributions
+    ]
+    return Registry(entries, aliases, draft_order), plugins

@@ -1,23 +1,20 @@
 """Which backends the target and the draft model run, and a trace of why.
 
 Operators debug "why is my draft on flashinfer?" from this trace, so every
-decision appends one readable step. The draft rule is SGLang #35932's:
-explicit → inherit the target's prefill backend → platform fallback, with a
-backend that cannot draft replaced by the platform's fallback (and a logged
-warning). Draft capability is asked of the registry only — no private list.
-A draft backend that cannot run here (flashinfer, the fallback, on a CPU
-machine) is marked so, with the way out, before any runner tries to build it.
+decision appends one readable step. A draft backend that cannot run here
+(flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
+before any runner tries to build it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from attnhost.availability import check_availability
 from attnhost.errors import AttnhostError, describe_exception, printable, printable_record
-from attnhost.hooks import NOT_IMPLEMENTED, call_plugin_hook
+from attnhost.hooks import call_plugin_hook
 from attnhost.host import default_host
 from attnhost.platform import current_platform
 from attnhost.registry import Registry
@@ -39,7 +36,6 @@ logger.addFilter(printable_record)  # plugin text in a log line is escaped
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Decision:
     platform: str
-    """The platform the names were resolved for."""
     trace: tuple[str, ...]
     """Every step and its reason, in order, as ``attnhost resolve`` prints them."""
 
@@ -54,14 +50,13 @@ class TargetResolution(_Decision):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DraftResolution(_Decision):
-    """The draft model's backend. ``fell_back`` is true only when a named backend was rejected."""
+    """The draft model's backend. ``fell_back`` is true only when a named backend (``rejected``) cannot draft."""
 
     name: str
-    fell_back: bool
+    fell_back: bool = False
     warning: str | None = None
     """SGLang's warning when a named backend was rejected for drafting."""
     rejected: str | None = None
-    """The backend that was named but cannot draft, when ``fell_back``."""
     available: bool = True
     """Whether ``name`` can run on ``platform`` (a fallback often cannot: flashinfer on a CPU machine)."""
     problem: str | None = None
@@ -74,7 +69,7 @@ class Resolution:
 
     target: TargetResolution
     draft: DraftResolution
-    warnings: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,42 +86,29 @@ class Resolution:
 
 
 def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
-    """Ask a firstresult platform hook plugin by plugin, in pluggy's order, attributing the answer.
+    """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order.
 
-    Each plugin is called by pluggy (so an implementation may take no
-    argument at all), one at a time: an implementation that raises or
-    answers with a name the registry cannot use is skipped with a warning,
-    so one broken platform plugin cannot stop resolution while the built-in
-    answer still exists.
+    An implementation that raises or answers a name the registry cannot use is
+    skipped with a warning: one broken platform plugin cannot stop resolution.
     """
     pm = default_host().plugin_manager()
-    caller = getattr(pm.hook, hook_name)
-    for impl in reversed(caller.get_hookimpls()):  # pluggy calls the last registered (or tryfirst) first
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):  # pluggy calls the last registered first
         plugin = printable(repr(impl.plugin_name))
+        where = f"plugin {plugin}: hook {hook_name}({platform!r})"
         try:
-            answer = call_plugin_hook(pm, hook_name, impl.plugin_name, platform=platform)
+            answer = call_plugin_hook(pm, hook_name, impl.plugin_name, None, platform=platform)
         except (Exception, SystemExit) as exc:  # a plugin's sys.exit() must not stop the server either
-            logger.warning(
-                "plugin %s: hook %s(%r) raised %s; asking the next plugin",
-                plugin,
-                hook_name,
-                platform,
-                describe_exception(exc),
-            )
+            logger.warning("%s raised %s; asking the next plugin", where, describe_exception(exc))
             continue
-        if answer is None or answer is NOT_IMPLEMENTED:
+        if answer is None:
             continue
         canonical = registry.canonical(answer) if isinstance(answer, str) else None
-        problem = None
         if canonical is None:
-            problem = f"answered {printable(repr(answer))}, which is not a registered backend"
+            logger.warning("%s answered %s, which is not a registered backend; ignored", where, printable(repr(answer)))
         elif draft and not registry.is_draft_capable(canonical):
-            problem = f"answered {canonical!r}, which is not draft-capable"
-        if problem:
-            logger.warning("plugin %s: hook %s(%r) %s; ignored", plugin, hook_name, platform, problem)
-            continue
-        assert canonical is not None
-        return canonical, impl.plugin_name
+            logger.warning("%s answered %r, which is not draft-capable; ignored", where, canonical)
+        else:
+            return canonical, f"hook {hook_name}, plugin {plugin}"
     raise AttnhostError(f"no plugin answered {hook_name}({platform!r}); is the built-in plugin installed?")
 
 
@@ -134,61 +116,31 @@ def _runs_here(registry: Registry, names: tuple[str, ...], platform: str) -> lis
     return [name for name in names if check_availability(registry.entry(name), platform).available]
 
 
-def _draft_problem(registry: Registry, name: str, how: str, platform: str) -> tuple[str, str] | None:
-    """``(reason, problem)`` when the draft backend ``name`` cannot run on ``platform``, else None.
+def _draft(registry: Registry, trace: list[str], name: str, how: str, platform: str, **kw: Any) -> DraftResolution:
+    """The draft result for ``name``; when it cannot run on ``platform``, the problem and the ways out.
 
-    The problem names the backend, its plugin, how it was chosen and the
-    ways out: the user may never have named it (a fallback), so "choose
-    another backend" alone would not say which or how.
+    The user may never have named the backend (a fallback), so the problem
+    says how it was chosen and which other backend would run, not just
+    "choose another backend".
     """
     entry = registry.entry(name)
-    availability = check_availability(entry, platform)
-    if availability.available or availability.reason is None:
-        return None
+    reason = check_availability(entry, platform).reason
+    if reason is None:
+        return DraftResolution(name=name, platform=platform, trace=tuple(trace), **kw)
+    trace.append(f"draft: {name!r} cannot run on {platform}: {reason} (the way out is under warnings)")
     drafting = _runs_here(registry, registry.names("draft"), platform)
+    runs = [] if drafting else _runs_here(registry, registry.names(), platform)
     if drafting:
-        ways = [f"choose one that runs here with --speculative-draft-attention-backend ({', '.join(drafting)})"]
+        way = f"choose one that runs here with --speculative-draft-attention-backend ({', '.join(drafting)})"
+    elif runs:
+        way = f"make one that runs here draft-capable, e.g. attnhost.add_draft_attention_backend_choices([{runs[0]!r}])"
     else:
-        runnable = _runs_here(registry, registry.names(), platform)
-        example = f"attnhost.add_draft_attention_backend_choices([{runnable[0]!r}])" if runnable else ""
-        ways = [
-            f"make one that runs here draft-capable, e.g. {example}"
-            if runnable
-            else f"install a plugin with a backend for {platform}"
-        ]
-    ways.append(f"install a plugin whose attnhost_draft_fallback hook answers for {platform}")
-    return availability.reason, (
-        f"draft attention backend {name!r} from {entry.label} ({how}) cannot run on {platform}: "
-        f"{availability.reason}; {', or '.join(ways)}"
+        way = f"install a plugin with a backend for {platform}"
+    problem = (
+        f"draft attention backend {name!r} from {entry.label} ({how}) cannot run on {platform}: {reason}; "
+        f"{way}, or install a plugin whose attnhost_draft_fallback hook answers for {platform}"
     )
-
-
-def _draft(
-    registry: Registry,
-    trace: list[str],
-    name: str,
-    how: str,
-    platform: str,
-    *,
-    fell_back: bool = False,
-    rejected: str | None = None,
-    warning: str | None = None,
-) -> DraftResolution:
-    unavailable = _draft_problem(registry, name, how, platform)
-    problem = None
-    if unavailable is not None:
-        reason, problem = unavailable
-        trace.append(f"draft: {name!r} cannot run on {platform}: {reason} (the way out is under warnings)")
-    return DraftResolution(
-        name=name,
-        fell_back=fell_back,
-        platform=platform,
-        trace=tuple(trace),
-        warning=warning,
-        rejected=rejected,
-        available=problem is None,
-        problem=problem,
-    )
+    return DraftResolution(name=name, platform=platform, trace=tuple(trace), available=False, problem=problem, **kw)
 
 
 def resolve_attention_backends(args: ServerArgs, platform: str | None = None) -> TargetResolution:
@@ -197,27 +149,18 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
     registry = default_host().registry()
     trace: list[str] = []
     prefill, decode = args.get_attention_backends()
-    default: str | None = None
+    default = ""
     if prefill is None or decode is None:
-        default, plugin = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
-        trace.append(
-            f"no attention backend flag set: the default for platform {platform} is {default!r} "
-            f"(hook attnhost_default_attention_backend, plugin {printable(repr(plugin))})"
-        )
-    for half, chosen, specific in (
-        ("prefill", prefill, args.prefill_attention_backend),
-        ("decode", decode, args.decode_attention_backend),
-    ):
+        default, source = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
+        trace.append(f"no attention backend flag set: the default for platform {platform} is {default!r} ({source})")
+    for half, chosen in (("prefill", prefill), ("decode", decode)):
         if chosen is None:
             trace.append(f"target {half}: {default!r} (platform default)")
-        elif specific is not None:
-            trace.append(f"target {half}: {chosen!r} (from --{half}-attention-backend)")
         else:
-            trace.append(f"target {half}: {chosen!r} (from --attention-backend)")
-    final_prefill = prefill or default
-    final_decode = decode or default
-    assert final_prefill is not None and final_decode is not None
-    return TargetResolution(prefill=final_prefill, decode=final_decode, platform=platform, trace=tuple(trace))
+            specific = getattr(args, f"{half}_attention_backend") is not None
+            flag = f"--{half}-attention-backend" if specific else "--attention-backend"
+            trace.append(f"target {half}: {chosen!r} (from {flag})")
+    return TargetResolution(prefill=prefill or default, decode=decode or default, platform=platform, trace=tuple(trace))
 
 
 def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = None) -> DraftResolution:
@@ -232,33 +175,26 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
     candidate = args.speculative_draft_attention_backend
     how = "given by --speculative-draft-attention-backend"
     if candidate is not None:
-        trace.append(f"draft: {candidate!r} given by --speculative-draft-attention-backend")
-    else:
-        candidate = args.get_attention_backends()[0]
+        trace.append(f"draft: {candidate!r} {how}")
+    elif (candidate := args.get_attention_backends()[0]) is not None:
         how = "inherited from the target's prefill backend"
-        if candidate is not None:
-            trace.append(
-                "draft: no --speculative-draft-attention-backend; "
-                f"inheriting the target's prefill backend {candidate!r}"
-            )
-    if candidate is None:
-        fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
         trace.append(
-            f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
-            f"{platform} (hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
+            f"draft: no --speculative-draft-attention-backend; inheriting the target's prefill backend {candidate!r}"
         )
-        how = f"the draft fallback for {platform}, as no backend was named for target or draft"
-        return _draft(registry, trace, fallback, how, platform)
-    if registry.is_draft_capable(candidate):
+    if candidate is not None and registry.is_draft_capable(candidate):
         trace.append(f"draft: {candidate!r} is draft-capable; using it")
         return _draft(registry, trace, candidate, how, platform)
     capable = registry.names("draft")
-    fallback, plugin = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
+    fallback, source = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
+    if candidate is None:
+        trace.append(
+            f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "
+            f"{platform} ({source})"
+        )
+        how = f"the draft fallback for {platform}, as no backend was named for target or draft"
+        return _draft(registry, trace, fallback, how, platform)
     trace.append(f"draft: {candidate!r} is not draft-capable (draft-capable: {', '.join(capable)})")
-    trace.append(
-        f"draft: falling back to {fallback!r}, the draft fallback for {platform} "
-        f"(hook attnhost_draft_fallback, plugin {printable(repr(plugin))})"
-    )
+    trace.append(f"draft: falling back to {fallback!r}, the draft fallback for {platform} ({source})")
     warning = (
         f"draft worker only supports attention backends in [{', '.join(capable)}], but got {candidate!r}; "
         f"falling back to {fallback!r} on {platform}"

@@ -1,15 +1,14 @@
 """``ServerArgs``: the immutable attention settings, validated against the frozen registry.
 
-Building the first one freezes the registry, because from then on argument
-values have been checked against the set of choices and that set must not
-move. Args are never written after construction — the bug of SGLang #28559
-was exactly a runner writing into shared args.
+Building the first one freezes the registry: its values were checked against
+the choices, so the choices must not move. Args are never written after
+construction — SGLang #28559 was a runner writing into shared args.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -21,15 +20,17 @@ __all__ = ["SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
 
 SPECULATIVE_ATTENTION_MODES: tuple[str, ...] = ("prefill", "decode")
 
-_BACKEND_FIELDS: tuple[tuple[str, str], ...] = (
-    ("attention_backend", "the attention backend for prefill and decode"),
-    ("prefill_attention_backend", "the attention backend for prefill (overrides --attention-backend)"),
-    ("decode_attention_backend", "the attention backend for decode (overrides --attention-backend)"),
-    (
-        "speculative_draft_attention_backend",
-        "the attention backend of the speculative draft model (default: inherit the target's prefill backend)",
-    ),
-)
+_BACKEND_FLAGS = {
+    "attention_backend": "the attention backend for prefill and decode; choices: {targets}",
+    "prefill_attention_backend": "the attention backend for prefill (overrides --attention-backend); "
+    "choices: {targets}",
+    "decode_attention_backend": "the attention backend for decode (overrides --attention-backend); choices: {targets}",
+    # Any known name is accepted for the draft (one that is not draft-capable falls back, with a warning, as in
+    # SGLang); the help offers the ones a draft worker will actually use.
+    "speculative_draft_attention_backend": "the attention backend of the speculative draft model (default: inherit "
+    "the target's prefill backend); draft-capable: {drafts}",
+}
+"""Field → its flag's help; backend names cannot hold braces, so ``str.format`` fills in the choices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,7 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         registry = default_host().freeze(by="the first ServerArgs")
-        for name, _ in _BACKEND_FIELDS:
+        for name in _BACKEND_FLAGS:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _canonical(registry, value, name))
@@ -65,29 +66,23 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add SGLang's attention flags; choices come from every installed plugin.
 
-        The parser holds a copy of the choices, so building it freezes the
-        registry: a registration after it raises ``RegistryFrozenError``
-        instead of leaving the parser to reject the new name.
+        The parser holds a copy of the choices, so this freezes the registry: a
+        later registration raises ``RegistryFrozenError`` instead of leaving the
+        parser to reject the new name.
         """
         registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
-        names = registry.names()
-        offered = {"target": _offer(registry, names), "draft": _offer(registry, registry.names("draft"))}
+        targets = _offer(registry, registry.names())
+        drafts = _offer(registry, registry.names("draft")) or "none"
         group = parser.add_argument_group("attention backends")
-        for name, help_text in _BACKEND_FIELDS:
-            if name == "speculative_draft_attention_backend":
-                # Any known name is accepted (one that is not draft-capable falls back, with a warning, as
-                # in SGLang); the help offers the ones a draft worker will actually use.
-                choices = f"; draft-capable: {offered['draft'] or 'none'}"
-            else:
-                choices = f"; choices: {offered['target']}"
+        for name, help_text in _BACKEND_FLAGS.items():
             group.add_argument(
                 "--" + name.replace("_", "-"),
                 dest=name,
-                type=_backend_type(registry),
-                choices=names,
+                type=functools.partial(_canonical, registry),
+                choices=registry.names(),
                 default=None,
                 metavar="NAME",
-                help=(help_text + choices).replace("%", "%%"),
+                help=help_text.format(targets=targets, drafts=drafts).replace("%", "%%"),
             )
         group.add_argument(
             "--speculative-attention-mode",
@@ -100,8 +95,7 @@ class ServerArgs:
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> ServerArgs:
         """Build from a namespace parsed with a parser that ``add_cli_args`` set up."""
-        values = {f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)}
-        return cls(**values)
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls) if hasattr(namespace, f.name)})
 
 
 def _offer(registry: Registry, names: tuple[str, ...]) -> str:
@@ -112,20 +106,11 @@ def _offer(registry: Registry, names: tuple[str, ...]) -> str:
     return ", ".join(f"{name} (alias {', '.join(aliases[name])})" if name in aliases else name for name in names)
 
 
-def _canonical(registry: Registry, value: object, field_name: str) -> str:
-    if isinstance(value, str):
-        canonical = registry.canonical(value)
-        if canonical is not None:
-            return canonical
-    raise UnknownBackendError(f"{field_name}: {registry.unknown_message(value)}")
-
-
-def _backend_type(registry: Registry) -> Callable[[str], str]:
-    def convert(value: str) -> str:
-        canonical = registry.canonical(value)
-        if canonical is None:
-            raise argparse.ArgumentTypeError(registry.unknown_message(value))
+def _canonical(registry: Registry, value: object, field_name: str | None = None) -> str:
+    """``value``'s canonical name; unknown, it is refused for the field, or for argparse (no field given)."""
+    canonical = registry.canonical(value) if isinstance(value, str) else None
+    if canonical is not None:
         return canonical
-
-    convert.__name__ = "attention backend"
-    return convert
+    if field_name is None:
+        raise argparse.ArgumentTypeError(registry.unknown_message(value))
+    raise UnknownBackendError(f"{field_name}: {registry.unknown_message(value)}")

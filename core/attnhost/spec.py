@@ -8,16 +8,17 @@ without paying for (or crashing on) its kernels. Only ``load()`` imports.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from attnhost.errors import safe_repr
 
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend, AttentionRunner
 
-__all__ = ["MAX_NAME_LENGTH", "BackendFactory", "BackendSpec", "check_backend_name", "import_object"]
+__all__ = ["MAX_NAME_LENGTH", "BackendFactory", "BackendSpec", "check_backend_name"]
 
 MAX_NAME_LENGTH = 64
 """The longest backend name or alias: SGLang's longest is under 30, and a name must fit a table and a flag."""
@@ -26,15 +27,8 @@ BackendFactory = Callable[["AttentionRunner"], "AttentionBackend"]
 """Called once per model runner as ``factory(runner)``; returns that runner's own backend."""
 
 
-# On ASCII text ``isalnum`` is exactly [A-Za-z0-9] and ``isidentifier`` exactly [A-Za-z_][A-Za-z0-9_]*,
-# so the names' grammar ([A-Za-z0-9][A-Za-z0-9_.-]*, dotted identifiers) needs no regular expression.
-def _is_backend_name(name: str) -> bool:
-    rest = name.replace("_", "a").replace(".", "a").replace("-", "a")
-    return name.isascii() and name[:1].isalnum() and rest.isalnum()
-
-
-def _is_module_name(name: str) -> bool:
-    return name.isascii() and all(part.isidentifier() for part in name.split("."))
+_BACKEND_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 
 
 def check_backend_name(name: object, what: str = "backend name") -> str:
@@ -49,28 +43,15 @@ def check_backend_name(name: object, what: str = "backend name") -> str:
         raise ValueError(
             f"invalid {what} {safe_repr(name)}: {len(name)} characters, more than the {MAX_NAME_LENGTH} allowed"
         )
-    if not _is_backend_name(name):
+    if not _BACKEND_NAME.fullmatch(name):
         raise ValueError(
             f"invalid {what} {name!r}: use letters, digits, '_', '-' or '.', starting with a letter or digit"
         )
     return name
 
 
-def import_object(reference: str) -> Any:
-    """Import ``"package.module:attr.sub"`` (or a bare module) the way entry points do."""
-    module_name, _, attrs = reference.partition(":")
-    obj: Any = importlib.import_module(module_name.strip())
-    for attr in filter(None, attrs.strip().split(".")):
-        obj = getattr(obj, attr)
-    return obj
-
-
 def _as_tuple(value: str | Iterable[str] | None, what: str, spec_name: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    items = tuple(value)
+    items = (value,) if isinstance(value, str) else tuple(value or ())
     for item in items:
         if not isinstance(item, str):
             raise ValueError(f"backend {spec_name!r}: {what} must be strings, got {item!r}")
@@ -99,20 +80,18 @@ class BackendSpec:
 
     def __post_init__(self) -> None:
         check_backend_name(self.name)
-        set_ = object.__setattr__
         aliases = _as_tuple(self.aliases, "aliases", self.name)
         for alias in aliases:
             check_backend_name(alias, f"alias of backend {self.name!r}")
-        set_(self, "aliases", aliases)
-        set_(self, "platforms", tuple(p.lower() for p in _as_tuple(self.platforms, "platforms", self.name)))
+        platforms = tuple(p.lower() for p in _as_tuple(self.platforms, "platforms", self.name))
         requires = _as_tuple(self.requires, "required modules", self.name)
         for module in requires:
-            if not _is_module_name(module):
+            if not _MODULE_NAME.fullmatch(module):
                 raise ValueError(f"backend {self.name!r}: {module!r} is not a Python module name")
-        set_(self, "requires", requires)
+        for field_name, value in (("aliases", aliases), ("platforms", platforms), ("requires", requires)):
+            object.__setattr__(self, field_name, value)
         if isinstance(self.factory, str):
-            module_name = self.factory.partition(":")[0].strip()
-            if not _is_module_name(module_name):
+            if not _MODULE_NAME.fullmatch(self.factory.partition(":")[0].strip()):
                 raise ValueError(f"backend {self.name!r}: factory {self.factory!r} is not a 'module:attr' reference")
         elif self.factory is not None and not callable(self.factory):
             raise ValueError(
@@ -126,7 +105,6 @@ class BackendSpec:
 
     @property
     def implemented(self) -> bool:
-        """Whether an implementation is declared (a declared-only name has none)."""
         return self.factory is not None
 
     @property
@@ -134,18 +112,18 @@ class BackendSpec:
         """The module :meth:`load` would import, without importing it."""
         if isinstance(self.factory, str):
             return self.factory.partition(":")[0].strip()
-        if self.factory is None:
-            return None
         return getattr(self.factory, "__module__", None)
 
     def load(self) -> BackendFactory:
         """Import (if needed) and return the factory; the first and only place that imports it."""
         if self.factory is None:
             raise LookupError(f"backend {self.name!r} is declared only: it has no factory to load")
-        if isinstance(self.factory, str):
-            obj = import_object(self.factory)
+        if isinstance(self.factory, str):  # "package.module:attr.sub", resolved the way entry points are
+            module_name, _, attrs = self.factory.partition(":")
+            obj: Any = importlib.import_module(module_name.strip())
+            for attr in filter(None, attrs.strip().split(".")):
+                obj = getattr(obj, attr)
             if not callable(obj):
                 raise TypeError(f"factory {self.factory!r} of backend {self.name!r} is not callable")
-            factory: BackendFactory = obj
-            return factory
+            return cast("BackendFactory", obj)
         return self.factory
