@@ -23,14 +23,7 @@ if TYPE_CHECKING:
 
     from attnhost.forward_batch import ForwardBatch
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionLayer",
-    "AttentionRunner",
-    "BackendCapabilities",
-    "KVCache",
-    "build_backend",
-]
+__all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache", "build_backend"]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
@@ -38,22 +31,15 @@ FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 class KVCache(Protocol):
     """The token-slot KV cache a backend reads and writes, whoever owns it.
 
-    attnhost's own :class:`~attnhost.forward_batch.KVPool` is one; the engine
-    bridges wrap SGLang's ``MHATokenToKVPool`` + ``ReqToTokenPool`` and vLLM's
-    paged per-layer tensor as others, without copying a byte of the cache.
-    So a backend may rely on exactly this and nothing more:
+    attnhost's :class:`~attnhost.forward_batch.KVPool` is one; the engine
+    bridges wrap SGLang's and vLLM's own caches as others, without copying a
+    byte. So a backend may rely on exactly this (README's plugin guide has the
+    shapes) and nothing more:
 
-    * ``k_buffer(layer_id)`` / ``v_buffer(layer_id)``: ``[num_slots,
-      num_kv_heads, head_dim]`` of dtype ``dtype``. They may be *strided*
-      views (vLLM keeps K and V of a slot side by side), so index, slice or
-      ``index_select`` them; never assume ``is_contiguous()`` or ``view`` them
-      into another shape.
-    * ``req_to_token``: ``[rows, max_context_len]`` integer (int32 or int64)
-      table; row ``forward_batch.req_pool_indices[i]`` holds, at position
-      ``p < seq_lens[i]``, the slot of token ``p`` of request ``i``. Entries
-      past ``seq_lens[i]`` are undefined.
-    * ``set_kv(layer_id, loc, k, v)``: write the new tokens' K/V
-      (``[len(loc), num_kv_heads, head_dim]``) at slots ``loc`` (int64).
+    * ``k_buffer``/``v_buffer`` may be *strided* views (vLLM keeps a slot's K
+      and V side by side): index or ``index_select`` them, never ``view`` them.
+    * ``req_to_token[req_pool_indices[i], p]``, int32 or int64, is the slot of
+      token ``p < seq_lens[i]`` of request ``i``; entries past it are undefined.
     """
 
     @property
@@ -75,9 +61,9 @@ class KVCache(Protocol):
 class AttentionRunner(Protocol):
     """What a backend factory receives: the facts of the model runner it serves.
 
-    attnhost's :class:`~attnhost.runner.ModelRunner` is one; inside SGLang
-    and vLLM the bridges pass a small object with the same attributes, so
-    one factory serves every engine.
+    attnhost's :class:`~attnhost.runner.ModelRunner` is one; the engine
+    bridges pass a small object with the same attributes, so one factory
+    serves every engine.
     """
 
     @property
@@ -97,16 +83,13 @@ class AttentionRunner(Protocol):
 class BackendCapabilities:
     """What a backend declares it supports, so engines refuse the rest up front.
 
-    Engines ask before they build or graph-capture anything: the SGLang and
-    vLLM bridges switch CUDA graphs off for a backend without
-    ``cuda_graph``, advertise ``dtypes`` and ``head_dims`` to vLLM's backend
-    selector, and refuse a model outside them with an error naming the
-    backend. The attention contract itself has no sliding window, logit
-    cap, ALiBi, sinks, MLA or cross-attention, so those are refused for every
-    attnhost backend rather than declared here.
-
-    ``dtypes`` names the query and KV-cache dtypes (``torch`` attribute
-    names); ``head_dims`` empty means any head dimension.
+    Engines ask before they build or graph-capture anything: the bridges
+    switch CUDA graphs off for a backend without ``cuda_graph`` and refuse a
+    model outside ``dtypes`` (``torch`` attribute names, for the query and the
+    KV cache) or ``head_dims`` (empty: any) with an error naming the backend.
+    What the attention contract itself lacks (sliding window, logit cap,
+    ALiBi, sinks, MLA, cross-attention) is refused for every backend rather
+    than declared here.
     """
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
@@ -144,9 +127,8 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 class AttentionLayer:
     """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields).
 
-    ``q`` has ``num_heads`` heads, ``k``/``v`` have ``num_kv_heads``; when
-    ``num_kv_heads < num_heads`` consecutive groups of query heads share one
-    KV head (GQA; MQA when it is 1).
+    Consecutive groups of ``num_heads // num_kv_heads`` query heads share one
+    KV head (GQA; MQA when ``num_kv_heads`` is 1).
     """
 
     layer_id: int
@@ -176,18 +158,15 @@ class AttentionBackend(abc.ABC):
     instance so per-forward dispatch can tell which kernels this runner chose
     without reading any global (SGLang #28559).
 
-    Tensors: ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are
-    ``[tokens, num_kv_heads, head_dim]`` for the new tokens of the batch, in
-    request order; the result is ``[tokens, num_heads, head_dim]``. A
-    subclass implements ``init_forward_metadata`` and ``forward_extend``;
-    one that implements no ``forward_extend`` cannot be instantiated
-    (``TypeError``), and ``forward_decode`` is optional.
+    ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are ``[tokens,
+    num_kv_heads, head_dim]`` for the batch's new tokens in request order, and
+    the result has ``q``'s shape. A subclass implements ``init_forward_metadata``
+    and ``forward_extend`` (without it, instantiating is a ``TypeError``).
     """
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
-    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
-    """What this backend supports; override on a subclass that does more (e.g. CUDA graphs)."""
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()  # override to declare more
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:  # noqa: B027 - optional to override
         """Accept the runner so a subclass is a valid factory; the base keeps nothing."""
@@ -221,10 +200,10 @@ class AttentionBackend(abc.ABC):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
 
+# Every backend instance a factory has returned to a runner and that is still alive, by ``id``; a
+# registered (virtual) subclass whose instances take no weak reference is kept for the life of the process.
 _handed_out: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
-"""Every backend instance a factory has returned to a runner and that is still alive, by ``id``."""
 _unweakrefable: dict[int, AttentionBackend] = {}
-"""The same for the rare registered (virtual) subclass whose instances take no weak reference."""
 _handed_out_lock = threading.Lock()
 
 
@@ -261,6 +240,6 @@ def build_backend(
             )
         try:
             _handed_out[key] = backend
-        except TypeError:  # no weak reference possible: remember it for the life of the process
+        except TypeError:  # no weak reference possible
             _unweakrefable[key] = backend
     return backend

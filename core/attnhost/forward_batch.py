@@ -29,6 +29,28 @@ RequestSpec = tuple[int, int, int]
 """``(req_pool_index, prefix_len, extend_len)`` as accepted by ``ForwardBatch.prepare``."""
 
 
+_POOL_SIZES = ("num_layers", "num_slots", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
+
+
+def check_size(owner: str, name: str, value: object) -> None:
+    """Refuse a size that is not a positive ``int``, naming it: a float or 0 would fail far from its cause."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+def float_dtype(owner: str, dtype: object) -> torch.dtype:
+    """A floating-point torch dtype, from one or its name: an integer KV cache would make attention all zeros."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"{owner}: dtype {dtype!r} is not a torch dtype; use e.g. torch.float32 or 'bfloat16'")
+    if not resolved.is_floating_point:
+        raise ValueError(
+            f"{owner}: dtype {str(resolved).removeprefix('torch.')} is not a floating-point dtype; "
+            "attention and its KV cache need one (float32, bfloat16, float16)"
+        )
+    return resolved
+
+
 class KVPool:
     """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table.
 
@@ -47,30 +69,22 @@ class KVPool:
         *,
         max_requests: int,
         max_context_len: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_slots", num_slots),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("max_requests", max_requests),
-            ("max_context_len", max_context_len),
-        ):
-            if value <= 0:
-                raise ValueError(f"KVPool: {name} must be positive, got {value}")
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        self.dtype = dtype
+        for name in _POOL_SIZES:
+            check_size("KVPool", name, getattr(self, name))
+        self.dtype = float_dtype("KVPool", dtype)
         self.device = torch.device(device)
         shape = (num_slots, num_kv_heads, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
         # The allocator state lives on the CPU: it is bookkeeping, not data.
         self._free_slots = torch.arange(num_slots, dtype=torch.int64)
@@ -78,14 +92,10 @@ class KVPool:
         self._free_requests: collections.deque[int] = collections.deque(range(max_requests))
         self._live_requests: set[int] = set()
 
-    # -- buffers -----------------------------------------------------------
-
     def k_buffer(self, layer_id: int) -> torch.Tensor:
-        """The K buffer of ``layer_id``, ``[num_slots, num_kv_heads, head_dim]``."""
         return self._k[self._check_layer(layer_id)]
 
     def v_buffer(self, layer_id: int) -> torch.Tensor:
-        """The V buffer of ``layer_id``, ``[num_slots, num_kv_heads, head_dim]``."""
         return self._v[self._check_layer(layer_id)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -107,8 +117,6 @@ class KVPool:
             raise IndexError(f"KVPool: layer_id {layer_id} out of range [0, {self.num_layers})")
         return layer_id
 
-    # -- token slots -------------------------------------------------------
-
     @property
     def available_slots(self) -> int:
         return int(self._free_slots.numel())
@@ -119,7 +127,7 @@ class KVPool:
             raise ValueError(f"KVPool.alloc_slots: n must be >= 0, got {n}")
         if n > self.available_slots:
             raise KVPoolFullError(
-                f"KV pool is full: {n} token slots requested, {self.available_slots} of "
+                f"KV pool is full: the allocation needs {n} token slots, {self.available_slots} of "
                 f"{self.num_slots} free; free finished requests' slots or build a larger KVPool"
             )
         taken, self._free_slots = self._free_slots[:n], self._free_slots[n:]
@@ -133,13 +141,10 @@ class KVPool:
             return
         if int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots:
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
-        ordered = cpu.sort().values
-        if bool(self._slot_is_free[cpu].any()) or bool((ordered[1:] == ordered[:-1]).any()):
+        if bool(self._slot_is_free[cpu].any()) or cpu.unique().numel() != cpu.numel():
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
         self._slot_is_free[cpu] = True
         self._free_slots = torch.cat([self._free_slots, cpu])
-
-    # -- request slots -----------------------------------------------------
 
     @property
     def available_requests(self) -> int:
@@ -193,15 +198,11 @@ class ForwardBatch:
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        batch_size = len(self.seq_lens_cpu)
+        b = len(self.seq_lens_cpu)
         starts = (0, *itertools.accumulate(self.extend_seq_lens_cpu))
-        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "batch_size", b)
         object.__setattr__(self, "num_new_tokens", starts[-1])
         object.__setattr__(self, "extend_start_loc_cpu", starts[:-1])
-        self._validate_shapes()
-
-    def _validate_shapes(self) -> None:
-        b = self.batch_size
         if len(self.prefix_lens_cpu) != b or len(self.extend_seq_lens_cpu) != b:
             raise ValueError("ForwardBatch: the *_cpu length tuples differ in batch size")
         for p, e, s in zip(self.prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu, strict=True):
@@ -222,28 +223,47 @@ class ForwardBatch:
         """Allocate slots for each request's new tokens, record them, and build the batch.
 
         Everything is validated before anything is allocated, so a rejected
-        batch leaves the pool untouched.
+        batch leaves the pool untouched; each refusal names the request.
         """
         specs = [tuple(int(x) for x in r) for r in requests]
-        _validate_requests(kv_pool, forward_mode, specs)
+        if forward_mode is ForwardMode.IDLE and specs:
+            raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")
+        if forward_mode is not ForwardMode.IDLE and not specs:
+            raise ValueError(f"ForwardBatch.prepare: a {forward_mode.name} batch needs requests; use IDLE")
+        seen: set[int] = set()
+        for spec in specs:
+            if len(spec) != 3:
+                raise ValueError(f"ForwardBatch.prepare: {spec} is not (req_pool_index, prefix_len, extend_len)")
+            req, prefix, extend = spec
+            where = f"ForwardBatch.prepare: request slot {req}"
+            if not 0 <= req < kv_pool.max_requests:
+                raise ValueError(f"{where} is out of range [0, {kv_pool.max_requests})")
+            if not kv_pool.is_live_request(req):
+                raise ValueError(f"{where} is not allocated; call kv_pool.alloc_request() first")
+            if req in seen:
+                raise ValueError(f"{where} appears twice in one batch")
+            seen.add(req)
+            if prefix < 0 or extend < 1:
+                raise ValueError(f"{where}: need prefix_len >= 0 and extend_len >= 1, got {prefix}, {extend}")
+            if forward_mode is ForwardMode.DECODE and extend != 1:
+                raise ValueError(f"{where}: DECODE takes exactly one new token, got extend_len={extend}")
+            if prefix + extend > kv_pool.max_context_len:
+                raise ValueError(
+                    f"{where}: prefix_len + extend_len = {prefix + extend} exceeds "
+                    f"max_context_len={kv_pool.max_context_len}"
+                )
         extend_lens = [e for _, _, e in specs]
-        out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))
+        out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
             kv_pool.req_to_token[req, prefix : prefix + extend] = loc
         return cls.from_lists(kv_pool, forward_mode, specs, out_cache_loc)
 
     @classmethod
     def from_lists(
-        cls,
-        kv_pool: KVCache,
-        forward_mode: ForwardMode,
-        requests: Sequence[Sequence[int]],
-        out_cache_loc: torch.Tensor,
+        cls, kv_pool: KVCache, forward_mode: ForwardMode, requests: Sequence[Sequence[int]], out_cache_loc: torch.Tensor
     ) -> ForwardBatch:
         """Build a batch whose slots are already allocated and recorded (no allocation here)."""
-        reqs = tuple(int(r[0]) for r in requests)
-        prefix = tuple(int(r[1]) for r in requests)
-        extend = tuple(int(r[2]) for r in requests)
+        reqs, prefix, extend = (tuple(int(r[i]) for r in requests) for i in range(3))
         seq = tuple(p + e for p, e in zip(prefix, extend, strict=True))
 
         def as_tensor(values: tuple[int, ...]) -> torch.Tensor:
@@ -260,42 +280,4 @@ class ForwardBatch:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=extend,
-        )
-
-
-def _validate_requests(kv_pool: KVPool, forward_mode: ForwardMode, specs: Sequence[tuple[int, ...]]) -> None:
-    """Reject a batch the backends could not run, with a message naming the request."""
-    if forward_mode is ForwardMode.IDLE:
-        if specs:
-            raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")
-        return
-    if not specs:
-        raise ValueError(f"ForwardBatch.prepare: a {forward_mode.name} batch needs requests; use IDLE")
-    seen: set[int] = set()
-    for spec in specs:
-        if len(spec) != 3:
-            raise ValueError(f"ForwardBatch.prepare: {spec} is not (req_pool_index, prefix_len, extend_len)")
-        req, prefix, extend = spec
-        where = f"ForwardBatch.prepare: request slot {req}"
-        if not 0 <= req < kv_pool.max_requests:
-            raise ValueError(f"{where} is out of range [0, {kv_pool.max_requests})")
-        if not kv_pool.is_live_request(req):
-            raise ValueError(f"{where} is not allocated; call kv_pool.alloc_request() first")
-        if req in seen:
-            raise ValueError(f"{where} appears twice in one batch")
-        seen.add(req)
-        if prefix < 0 or extend < 1:
-            raise ValueError(f"{where}: need prefix_len >= 0 and extend_len >= 1, got {prefix}, {extend}")
-        if forward_mode is ForwardMode.DECODE and extend != 1:
-            raise ValueError(f"{where}: DECODE takes exactly one new token, got extend_len={extend}")
-        if prefix + extend > kv_pool.max_context_len:
-            raise ValueError(
-                f"{where}: prefix_len + extend_len = {prefix + extend} exceeds "
-                f"max_context_len={kv_pool.max_context_len}"
-            )
-    needed = sum(spec[2] for spec in specs)
-    if needed > kv_pool.available_slots:
-        raise KVPoolFullError(
-            f"KV pool is full: the batch needs {needed} token slots, {kv_pool.available_slots} "
-            f"of {kv_pool.num_slots} free; free finished requests' slots or build a larger KVPool"
         )

@@ -2,8 +2,8 @@
 
 Used when ``--prefill-attention-backend`` and ``--decode-attention-backend``
 differ. It routes with the same rule as per-layer dispatch
-(:func:`attnhost.forward_mode.uses_decode_backend`), so the kernel that runs
-is always the one dispatch reports.
+(:func:`attnhost.forward_mode.per_mode`), so the kernel that runs is always
+the one dispatch reports.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnhost.backend import AttentionBackend, AttentionLayer
-from attnhost.forward_mode import ForwardMode, uses_decode_backend
+from attnhost.forward_mode import per_mode
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -30,10 +30,7 @@ class HybridAttnBackend(AttentionBackend):
         super().__init__()
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
-        self._by_mode = tuple(
-            decode_backend if uses_decode_backend(mode, speculative_attention_mode) else prefill_backend
-            for mode in ForwardMode
-        )
+        self._by_mode = per_mode(prefill_backend, decode_backend, speculative_attention_mode)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._by_mode[forward_batch.forward_mode].init_forward_metadata(forward_batch)

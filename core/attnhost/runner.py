@@ -17,10 +17,10 @@ import torch
 
 from attnhost.availability import check_availability
 from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
-from attnhost.context import ForwardContext, dispatch_table
+from attnhost.context import ForwardContext
 from attnhost.errors import BackendUnavailableError, describe_exception, printable_record
-from attnhost.forward_batch import ForwardBatch, KVPool
-from attnhost.forward_mode import ForwardMode
+from attnhost.forward_batch import ForwardBatch, KVPool, check_size, float_dtype
+from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
@@ -42,25 +42,6 @@ logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ModelRunner: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _float_dtype(dtype: object) -> torch.dtype:
-    """The runner's dtype: a floating-point torch dtype (an integer KV cache would make attention all zeros)."""
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"ModelRunner: dtype {dtype!r} is not a torch dtype; use e.g. torch.float32 or 'bfloat16'")
-    if not resolved.is_floating_point:
-        raise ValueError(
-            f"ModelRunner: dtype {str(resolved).removeprefix('torch.')} is not a floating-point dtype; "
-            "attention and its KV cache need one (float32, bfloat16, float16)"
-        )
-    return resolved
 
 
 class ModelRunner:
@@ -92,7 +73,7 @@ class ModelRunner:
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
         sizes = (num_layers, num_heads, num_kv_heads, head_dim, max_requests, max_context_len)
         for name, value in zip(_SIZES, sizes, strict=True):
-            _check_size(name, value)
+            check_size("ModelRunner", name, value)
         if num_slots is None:
             num_slots = max_requests * max_context_len // 4
             if num_slots == 0:
@@ -100,11 +81,11 @@ class ModelRunner:
                     f"ModelRunner: max_requests={max_requests} and max_context_len={max_context_len} leave no "
                     "KV slots (the default num_slots is max_requests * max_context_len // 4); pass num_slots"
                 )
-        _check_size("num_slots", num_slots)
+        check_size("ModelRunner", "num_slots", num_slots)
         self.args = args
         self.is_draft = is_draft
         self.platform = current_platform(platform)
-        self.dtype = _float_dtype(dtype)
+        self.dtype = float_dtype("ModelRunner", dtype)
         self.device = torch.device(device)
         self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
         self.kv_pool = KVPool(
@@ -120,21 +101,25 @@ class ModelRunner:
         self.resolution: TargetResolution | DraftResolution
         if is_draft:
             self.resolution = resolve_draft_attention_backend(args, self.platform)
+            if self.resolution.problem is not None:
+                # Said before the generic "unavailable": the user may never have named this backend (a fallback).
+                raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
             prefill = decode = self.resolution.name
         else:
             self.resolution = resolve_attention_backends(args, self.platform)
             prefill, decode = self.resolution.prefill, self.resolution.decode
         self.prefill_attention_backend_str = prefill
         self.decode_attention_backend_str = decode
-        if isinstance(self.resolution, DraftResolution) and self.resolution.problem is not None:
-            # Said before the generic "unavailable": the user may never have named this backend (a fallback).
-            raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
-        self.attn_backend = self._build_backend(prefill, decode)
-        self._log_choice(prefill, decode)
+        if prefill == decode:
+            self.attn_backend = self._build_one(prefill)
+        else:
+            prefill_backend, decode_backend = self._build_one(prefill), self._build_one(decode)
+            self.attn_backend = HybridAttnBackend(prefill_backend, decode_backend, args.speculative_attention_mode)
         self.attn_backend.prefill_attention_backend_str = prefill
         self.attn_backend.decode_attention_backend_str = decode
-        self._stamps: tuple[str | None, str | None] = (prefill, decode)
-        self._context = ForwardContext(self.attn_backend, self._dispatch_names())
+        self._log_choice(prefill, decode)
+        self._stamps: tuple[str | None, str | None] | None = None
+        self._context: ForwardContext | None = None
 
     @property
     def role(self) -> str:
@@ -146,17 +131,8 @@ class ModelRunner:
             f"decode={self.decode_attention_backend_str!r} on {self.platform}>"
         )
 
-    def _build_backend(self, prefill: str, decode: str) -> AttentionBackend:
-        if prefill == decode:
-            return self._build_one(prefill)
-        hybrid = HybridAttnBackend(
-            self._build_one(prefill), self._build_one(decode), self.args.speculative_attention_mode
-        )
-        for sub, name in ((hybrid.prefill_backend, prefill), (hybrid.decode_backend, decode)):
-            sub.prefill_attention_backend_str = sub.decode_attention_backend_str = name
-        return hybrid
-
     def _build_one(self, name: str) -> AttentionBackend:
+        """Build and stamp backend ``name``; every refusal names the runner, the backend and its plugin."""
         entry = get_registry().entry(name)
         where = f"{self.role} runner: attention backend {name!r} from {entry.label}"
         availability = check_availability(entry, self.platform)
@@ -173,44 +149,40 @@ class ModelRunner:
                 f"{where} could not be loaded: {describe_exception(exc)}; {fix}, or choose another backend"
             ) from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
-        return build_backend(factory, self, where=where, way_out=f"{fix}, or choose another backend", owner=owner)
+        backend = build_backend(factory, self, where=where, way_out=f"{fix}, or choose another backend", owner=owner)
+        backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
+        return backend
 
     def _log_choice(self, prefill: str, decode: str) -> None:
         """One INFO line: which backend this runner built, from which plugin and distribution, and why."""
         if not logger.isEnabledFor(logging.INFO):
             return
-        registry = get_registry()
-        if prefill == decode:
-            built = f"{prefill!r} from {registry.entry(prefill).label}"
-        else:
-            built = (
-                f"prefill {prefill!r} from {registry.entry(prefill).label}, "
-                f"decode {decode!r} from {registry.entry(decode).label}"
-            )
+        label = get_registry().entry
+        built = f"{prefill!r} from {label(prefill).label}"
+        if prefill != decode:
+            built = f"prefill {built}, decode {decode!r} from {label(decode).label}"
         logger.info(
             "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
         )
 
-    def _dispatch_names(self) -> tuple[str, ...]:
-        default_prefill, default_decode = self.args.get_attention_backends()
-        prefill = self.attn_backend.prefill_attention_backend_str or default_prefill
-        decode = self.attn_backend.decode_attention_backend_str or default_decode
-        if prefill is None or decode is None:
-            raise BackendUnavailableError(
-                f"{self.role} runner: its backend carries no backend names and the args name none"
-            )
-        return dispatch_table(prefill, decode, self.args.speculative_attention_mode)
-
     def forward_context(self) -> AbstractContextManager[AttentionBackend]:
-        """Make this runner's backend the current one for the forwards inside the ``with`` block."""
+        """Make this runner's backend the current one for the forwards inside the ``with`` block.
+
+        The names dispatched on are the backend's stamps, else the args' defaults; they are
+        re-read per forward, as SGLang reads them, so a changed stamp is honoured.
+        """
         backend = self.attn_backend
-        context = self._context
         stamps = (backend.prefill_attention_backend_str, backend.decode_attention_backend_str)
-        if stamps != self._stamps:
-            # The stamps changed since the last forward: honour them, as SGLang reads them per forward.
+        if self._context is None or stamps != self._stamps:
+            default_prefill, default_decode = self.args.get_attention_backends()
+            prefill, decode = stamps[0] or default_prefill, stamps[1] or default_decode
+            if prefill is None or decode is None:
+                raise BackendUnavailableError(
+                    f"{self.role} runner: its backend carries no backend names and the args name none"
+                )
             self._stamps = stamps
-            context = self._context = ForwardContext(backend, self._dispatch_names())
-        return context.activate()
+            self._context = ForwardContext(backend, per_mode(prefill, decode, self.args.speculative_attention_mode))
+        return self._context.activate()
 
     # -- convenience for models and tests ------------------------------------------
 
