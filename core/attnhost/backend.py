@@ -1,7 +1,7 @@
 """The contract every attention backend implements, and the layer it is called for.
 
-Kept free of a module-level torch import: plugins subclass
-``AttentionBackend`` at import time, and discovery must not pay for torch.
+Kept free of a module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery
+must not pay for torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from attnhost.errors import BackendUnavailableError, describe_exception, safe_repr
@@ -31,15 +31,14 @@ FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 class KVCache(Protocol):
     """The token-slot KV cache a backend reads and writes, whoever owns it.
 
-    attnhost's :class:`~attnhost.forward_batch.KVPool` is one; the engine
-    bridges wrap SGLang's and vLLM's own caches as others, without copying a
-    byte. So a backend may rely on exactly this (README's plugin guide has the
-    shapes) and nothing more:
+    attnhost's :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own
+    caches as others, without copying a byte. So a backend may rely on exactly this (README's plugin guide has
+    the shapes) and nothing more:
 
-    * ``k_buffer``/``v_buffer`` may be *strided* views (vLLM keeps a slot's K
-      and V side by side): index or ``index_select`` them, never ``view`` them.
-    * ``req_to_token[req_pool_indices[i], p]``, int32 or int64, is the slot of
-      token ``p < seq_lens[i]`` of request ``i``; entries past it are undefined.
+    * ``k_buffer``/``v_buffer`` may be *strided* views (vLLM keeps a slot's K and V side by side): index or
+      ``index_select`` them, never ``view`` them.
+    * ``req_to_token[req_pool_indices[i], p]``, int32 or int64, is the slot of token ``p < seq_lens[i]`` of
+      request ``i``; entries past it are undefined.
     """
 
     @property
@@ -59,11 +58,8 @@ class KVCache(Protocol):
 
 
 class AttentionRunner(Protocol):
-    """What a backend factory receives: the facts of the model runner it serves.
-
-    attnhost's :class:`~attnhost.runner.ModelRunner` is one; the engine
-    bridges pass a small object with the same attributes, so one factory
-    serves every engine.
+    """What a backend factory receives: a :class:`~attnhost.runner.ModelRunner`, or inside an engine the bridge's
+    object with the same attributes, so one factory serves every engine.
     """
 
     @property
@@ -81,15 +77,11 @@ class AttentionRunner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
-    """What a backend declares it supports, so engines refuse the rest up front.
+    """What a backend declares it supports, so engines refuse the rest before they build or capture anything.
 
-    Engines ask before they build or graph-capture anything: the bridges
-    switch CUDA graphs off for a backend without ``cuda_graph`` and refuse a
-    model outside ``dtypes`` (``torch`` attribute names, for the query and the
-    KV cache) or ``head_dims`` (empty: any) with an error naming the backend.
-    What the attention contract itself lacks (sliding window, logit cap,
-    ALiBi, sinks, MLA, cross-attention) is refused for every backend rather
-    than declared here.
+    ``dtypes`` are ``torch`` attribute names (query and KV cache), ``head_dims`` empty means any. What the
+    contract itself lacks (sliding window, logit cap, ALiBi, sinks, MLA, cross-attention) is refused for every
+    backend rather than declared here.
     """
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
@@ -108,10 +100,9 @@ class BackendCapabilities:
 
     def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None) -> str | None:
         """Why a model with these properties cannot run on this backend, or ``None`` if it can."""
-        if dtype not in self.dtypes:
-            return f"dtype {dtype} (it supports {', '.join(self.dtypes)})"
-        if kv_dtype is not None and kv_dtype not in self.dtypes:
-            return f"KV-cache dtype {kv_dtype} (it supports {', '.join(self.dtypes)})"
+        for what, name in (("dtype", dtype), ("KV-cache dtype", kv_dtype)):
+            if name is not None and name not in self.dtypes:
+                return f"{what} {name} (it supports {', '.join(self.dtypes)})"
         if self.head_dims and head_dim not in self.head_dims:
             return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
         return None
@@ -125,17 +116,15 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayer:
-    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields).
-
-    Consecutive groups of ``num_heads // num_kv_heads`` query heads share one
-    KV head (GQA; MQA when ``num_kv_heads`` is 1).
+    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields); ``scaling <= 0`` means
+    ``1/sqrt(head_dim)``. Consecutive groups of query heads share one KV head (GQA; MQA for one).
     """
 
     layer_id: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    scaling: float = field(default=-1.0)
+    scaling: float = -1.0
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -152,16 +141,12 @@ class AttentionLayer:
 class AttentionBackend(abc.ABC):
     """Base class of attention backends: SGLang's ``AttentionBackend`` surface.
 
-    A backend is built by its factory as ``factory(runner)`` (a subclass is its
-    own factory), once per model runner, and never shared between runners.
-    The runner stamps the two ``*_attention_backend_str`` attributes on the
-    instance so per-forward dispatch can tell which kernels this runner chose
-    without reading any global (SGLang #28559).
-
-    ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are ``[tokens,
-    num_kv_heads, head_dim]`` for the batch's new tokens in request order, and
-    the result has ``q``'s shape. A subclass implements ``init_forward_metadata``
-    and ``forward_extend`` (without it, instantiating is a ``TypeError``).
+    Built as ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the
+    runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
+    #28559). ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` ``[tokens, num_kv_heads, head_dim]``: the
+    batch's new tokens in request order; the result has ``q``'s shape. A subclass implements
+    ``init_forward_metadata`` and ``forward_extend``, the one attention method it needs (without it,
+    instantiating is a ``TypeError``).
     """
 
     prefill_attention_backend_str: str | None = None
@@ -182,11 +167,7 @@ class AttentionBackend(abc.ABC):
 
     def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        """Attention for one new token per request over its whole cached sequence.
-
-        Decode is the one-new-token case of extend, so by default it is
-        ``forward_extend``; override it only where a decode kernel is faster.
-        """
+        """One new token per request: a case of extend, so ``forward_extend`` unless a decode kernel is faster."""
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
@@ -212,14 +193,11 @@ def build_backend(
 ) -> AttentionBackend:
     """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
 
-    Every model runner must get its own instance: a factory that hands one
-    instance to two runners (a cached singleton, say) makes the target
-    dispatch to the draft's backend, SGLang #28559's bug, so the second hand-
-    out is refused. Whatever the factory raises, ``SystemExit`` included,
-    becomes a ``BackendUnavailableError``: it is other people's code running
-    inside a server's start-up. ``where`` names the runner, the backend, its
-    plugin and distribution; ``way_out`` ends a factory-failure message;
-    ``owner`` is whom to report a broken contract to.
+    A factory handing one instance to two runners (a cached singleton, say) makes the target dispatch to the
+    draft's backend, SGLang #28559's bug, so the second hand-out is refused. Whatever the factory raises,
+    ``SystemExit`` included, becomes a ``BackendUnavailableError``: it is other people's code running inside a
+    server's start-up. ``where`` names the runner, backend, plugin and distribution; ``way_out`` ends a
+    factory-failure message; ``owner`` is whom to report a broken contract to.
     """
     try:
         backend = factory(runner)

@@ -1,31 +1,26 @@
 """Check that every rank of a ``torch.distributed`` group runs the same attention plugins and backends.
 
-Each rank of a tensor-parallel server discovers plugins on its own, from its
-own environment. One rank with a different ``ATTNHOST_PLUGINS``, an older
-wheel or a broken plugin would silently resolve a different kernel, and the
-ranks would then compute different attention. :func:`check_ranks_agree`
-gathers a small fingerprint from every rank (its plugins, registered and
-resolved backends) and raises the same :class:`RankMismatchError` on every
-rank when they differ, naming the ranks and the differences.
+Each rank of a tensor-parallel server discovers plugins from its own environment: one rank with another
+``ATTNHOST_PLUGINS``, an older wheel or a broken plugin would silently resolve another kernel and compute
+different attention. :func:`check_ranks_agree` gathers every rank's fingerprint (plugins, registered and
+resolved backends) and raises the same :class:`RankMismatchError` on every rank when they differ.
 
-It never hangs on a rank's own fault: computing the fingerprint cannot raise
-before the collective (a rank that cannot resolve sends its error instead),
-so every rank reaches the one ``all_gather_object``. A rank that never calls
-the check at all is bounded by the process group's timeout, and the
-collective's failure is re-raised as :class:`RankCheckError`. ``torch`` is
-imported only when the check runs.
+It never hangs on a rank's own fault: computing the fingerprint cannot raise (a rank that cannot resolve sends
+its error instead), so every rank reaches the one ``all_gather_object``; a rank that never calls the check is
+bounded by the group's timeout, re-raised as :class:`RankCheckError`. ``torch`` is imported only by the check.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 from attnhost.errors import RankCheckError, RankMismatchError, describe_exception, plugin_label
-
-if TYPE_CHECKING:
-    from attnhost.server_args import ServerArgs
+from attnhost.host import default_host
+from attnhost.platform import current_platform
+from attnhost.resolution import resolve
+from attnhost.server_args import ServerArgs
 
 __all__ = [
     "RankCheckError",
@@ -39,16 +34,15 @@ __all__ = [
 
 PluginRow = tuple[str, str | None, str | None, str]  # (name, distribution, version, status)
 BackendRow = tuple[str, str, bool]  # (name, owning plugin, draft-capable)
-ArgsLike = Union["ServerArgs", Mapping[str, Any], None]  # a mapping: ServerArgs fields, built on the rank
+ArgsLike = ServerArgs | Mapping[str, Any] | None  # a mapping: ServerArgs fields, built on the rank
 
 
 @dataclass(frozen=True, slots=True)
 class RankFingerprint:
     """What one rank would run: its plugins, its registry and its resolution (or why it has none).
 
-    All but ``rank`` is compared (``==``) across ranks; ``resolved`` is
-    ``(prefill, decode, draft)`` for the args given to the check, ``error``
-    why this rank could not load or resolve.
+    All but ``rank`` is compared (``==``) across ranks; ``resolved`` is ``(prefill, decode, draft)`` for the
+    args given to the check, ``error`` why this rank could not load or resolve.
     """
 
     rank: int = field(compare=False)
@@ -62,21 +56,14 @@ class RankFingerprint:
 def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, rank: int = 0) -> RankFingerprint:
     """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it).
 
-    ``args`` may be a mapping of ``ServerArgs`` fields, built here, so that a
-    rank missing a backend named in them reports that instead of failing
-    before the collective; ``None`` means ``ServerArgs()``.
+    ``args`` may be a mapping of ``ServerArgs`` fields, built here, so that a rank missing a backend named in
+    them reports that instead of failing before the collective; ``None`` means ``ServerArgs()``.
     """
-    from attnhost.host import default_host
-
     host = default_host()
     plugins: tuple[PluginRow, ...] = ()
     resolved_platform: str | None = platform
     try:
         plugins = tuple((info.name, info.distribution, info.version, info.status.value) for info in host.plugins())
-        from attnhost.platform import current_platform
-        from attnhost.resolution import resolve
-        from attnhost.server_args import ServerArgs
-
         resolved_platform = current_platform(platform)
         backends = tuple((entry.name, entry.plugin, entry.draft) for entry in host.registry().entries())
         server_args = args if isinstance(args, ServerArgs) else ServerArgs(**dict(args or {}))
@@ -153,9 +140,8 @@ def check_ranks_agree(
 ) -> tuple[RankFingerprint, ...]:
     """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree.
 
-    Raises :class:`RankMismatchError` on every rank when any rank differs
-    (the same message everywhere), and :class:`RankCheckError` if the
-    collective itself fails (e.g. a rank never joins before the group's
+    Raises :class:`RankMismatchError` on every rank when any rank differs (the same message everywhere), and
+    :class:`RankCheckError` if the collective itself fails (e.g. a rank never joins before the group's
     timeout). ``args`` as for :func:`local_fingerprint`.
     """
     import torch.distributed as dist
@@ -174,7 +160,6 @@ def check_ranks_agree(
     fingerprints = tuple(fp for fp in gathered if isinstance(fp, RankFingerprint))
     if len(fingerprints) != len(gathered):
         raise RankCheckError(f"rank {mine.rank}: some ranks sent no fingerprint (different attnhost versions?)")
-    problem = compare_fingerprints(fingerprints)
-    if problem is not None:
+    if (problem := compare_fingerprints(fingerprints)) is not None:
         raise RankMismatchError(problem)
     return tuple(sorted(fingerprints, key=lambda fp: fp.rank))

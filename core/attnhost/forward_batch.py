@@ -1,18 +1,15 @@
 """The token-slot KV cache and the per-forward batch that attention backends read.
 
-Modelled on SGLang with page size 1: every cached token owns one *slot* in a
-per-layer K and V buffer, and ``req_to_token`` maps (request slot, position)
-to that slot.  Backends receive a ``ForwardBatch`` that carries both the
-device tensors and plain-int mirrors of the lengths, so that per-layer code
-never has to synchronise with the device to learn a shape.
-
-This module imports torch at module level; keep it out of any import path
-that plugin discovery walks (``attnhost.backend`` only names it for typing).
+Modelled on SGLang with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and
+``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` carries plain-int mirrors of
+its length tensors, so per-layer code never synchronises with the device to learn a shape. This module imports
+torch: keep it off the import path plugin discovery walks (``attnhost.backend`` names it only for typing).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +22,7 @@ from attnhost.forward_mode import ForwardMode
 
 __all__ = ["ForwardBatch", "KVPool", "RequestSpec"]
 
-RequestSpec = tuple[int, int, int]
-"""``(req_pool_index, prefix_len, extend_len)`` as accepted by ``ForwardBatch.prepare``."""
-
-
-_POOL_SIZES = ("num_layers", "num_slots", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
+RequestSpec = tuple[int, int, int]  # (req_pool_index, prefix_len, extend_len), as ForwardBatch.prepare takes
 
 
 def check_size(owner: str, name: str, value: object) -> None:
@@ -54,10 +47,9 @@ def float_dtype(owner: str, dtype: object) -> torch.dtype:
 class KVPool:
     """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table.
 
-    Allocation is a FIFO free list so that the same sequence of calls always
-    yields the same slots: tests and benchmarks depend on reproducible layouts.
-    A fresh pool hands out ascending, contiguous runs, which lets backends use
-    zero-copy views instead of gathers.
+    Allocation is a FIFO free list so that the same sequence of calls always yields the same slots: tests and
+    benchmarks depend on reproducible layouts. A fresh pool hands out ascending, contiguous runs, which lets
+    backends use zero-copy views instead of gathers.
     """
 
     def __init__(
@@ -78,7 +70,7 @@ class KVPool:
         self.head_dim = head_dim
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        for name in _POOL_SIZES:
+        for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim", "max_requests", "max_context_len"):
             check_size("KVPool", name, getattr(self, name))
         self.dtype = float_dtype("KVPool", dtype)
         self.device = torch.device(device)
@@ -101,10 +93,9 @@ class KVPool:
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer.
 
-        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU opens an
-        OpenMP parallel region even for a handful of rows and, on cores shared
-        with other work, waits for descheduled threads (BENCHMARKS.md). Both
-        leave one unspecified winner for duplicate slots.
+        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU opens an OpenMP parallel region even for
+        a handful of rows and, on cores shared with other work, waits for descheduled threads (BENCHMARKS.md).
+        Both leave one unspecified winner for duplicate slots.
         """
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
@@ -137,18 +128,13 @@ class KVPool:
     def free_slots(self, slots: torch.Tensor) -> None:
         """Return ``slots`` to the back of the free list; double frees are refused."""
         cpu = slots.detach().to("cpu", torch.int64).reshape(-1)
-        if cpu.numel() == 0:
-            return
-        if int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots:
+        if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots):
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
-        if bool(self._slot_is_free[cpu].any()) or cpu.unique().numel() != cpu.numel():
+        ordered = cpu.sort().values
+        if bool(self._slot_is_free[cpu].any()) or bool((ordered[1:] == ordered[:-1]).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
         self._slot_is_free[cpu] = True
         self._free_slots = torch.cat([self._free_slots, cpu])
-
-    @property
-    def available_requests(self) -> int:
-        return len(self._free_requests)
 
     def alloc_request(self) -> int:
         """Take the lowest-numbered free request slot that was freed earliest."""
@@ -176,11 +162,9 @@ class KVPool:
 class ForwardBatch:
     """One forward pass: which requests run, how many new tokens each brings, where they go.
 
-    ``prefix_lens`` is SGLang's ``extend_prefix_lens``: tokens already in the
-    cache before this forward.  ``seq_lens`` is the length *after* it.  The
-    ``*_cpu`` tuples mirror the tensors so backends can slice without a device
-    sync; ``batch_size``, ``num_new_tokens`` and ``extend_start_loc_cpu`` (the
-    offset of each request's first new token in ``q``) are derived.
+    ``prefix_lens`` (SGLang's ``extend_prefix_lens``) counts the tokens cached before this forward, ``seq_lens``
+    those after it. ``batch_size``, ``num_new_tokens`` and ``extend_start_loc_cpu`` (where each request's new
+    tokens start in ``q``) are derived; the constructor refuses lengths and shapes that disagree.
     """
 
     forward_mode: ForwardMode
@@ -208,11 +192,10 @@ class ForwardBatch:
         for p, e, s in zip(self.prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu, strict=True):
             if p + e != s:
                 raise ValueError(f"ForwardBatch: prefix {p} + extend {e} != seq_len {s}")
-        for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens"):
-            if tuple(getattr(self, name).shape) != (b,):
-                raise ValueError(f"ForwardBatch: {name} must have shape ({b},)")
-        if tuple(self.out_cache_loc.shape) != (self.num_new_tokens,):
-            raise ValueError(f"ForwardBatch: out_cache_loc must have shape ({self.num_new_tokens},)")
+        for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens", "out_cache_loc"):
+            n = starts[-1] if name == "out_cache_loc" else b
+            if tuple(getattr(self, name).shape) != (n,):
+                raise ValueError(f"ForwardBatch: {name} must have shape ({n},)")
         if self.forward_mode is ForwardMode.IDLE and b:
             raise ValueError("ForwardBatch: an IDLE batch has no requests")
         if self.forward_mode is ForwardMode.DECODE and any(e != 1 for e in self.extend_seq_lens_cpu):
@@ -222,8 +205,8 @@ class ForwardBatch:
     def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[RequestSpec]) -> ForwardBatch:
         """Allocate slots for each request's new tokens, record them, and build the batch.
 
-        Everything is validated before anything is allocated, so a rejected
-        batch leaves the pool untouched; each refusal names the request.
+        Everything is validated before anything is allocated, so a rejected batch leaves the pool untouched;
+        each refusal names the request.
         """
         specs = [tuple(int(x) for x in r) for r in requests]
         if forward_mode is ForwardMode.IDLE and specs:
@@ -265,10 +248,7 @@ class ForwardBatch:
         """Build a batch whose slots are already allocated and recorded (no allocation here)."""
         reqs, prefix, extend = (tuple(int(r[i]) for r in requests) for i in range(3))
         seq = tuple(p + e for p, e in zip(prefix, extend, strict=True))
-
-        def as_tensor(values: tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=kv_pool.device)
-
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=kv_pool.device)
         return cls(
             forward_mode=forward_mode,
             kv_pool=kv_pool,

@@ -1,7 +1,7 @@
 """Forward modes and the one rule that maps a mode to the prefill or decode half.
 
-The rule lives here, once, because both the per-layer dispatch and the hybrid
-backend need it and must never disagree about which kernel a forward runs.
+The rule lives here, once, because both the per-layer dispatch and the hybrid backend need it and must never
+disagree about which kernel a forward runs.
 """
 
 from __future__ import annotations
@@ -54,9 +54,8 @@ class ForwardMode(enum.IntEnum):
 def per_mode(prefill: T, decode: T, speculative_attention_mode: str) -> tuple[T, ...]:
     """``prefill`` or ``decode`` for every forward mode, indexed by ``int(mode)``.
 
-    Exactly SGLang's ``dispatch_attn_forward_method``: decode and idle use the
-    decode half; target-verify and draft-extend-v2 use it only when
-    ``speculative_attention_mode == "decode"``; everything else uses prefill.
+    Exactly SGLang's ``dispatch_attn_forward_method``: decode and idle use the decode half; target-verify and
+    draft-extend-v2 use it only when ``speculative_attention_mode == "decode"``; everything else uses prefill.
     """
     on_decode = {ForwardMode.DECODE, ForwardMode.IDLE}
     if speculative_attention_mode == "decode":

@@ -1,9 +1,8 @@
 """A target backend made of two: one for prefill-like forwards, one for decode-like ones.
 
-Used when ``--prefill-attention-backend`` and ``--decode-attention-backend``
-differ. It routes with the same rule as per-layer dispatch
-(:func:`attnhost.forward_mode.per_mode`), so the kernel that runs is always
-the one dispatch reports.
+Used when ``--prefill-attention-backend`` and ``--decode-attention-backend`` differ. It routes with the same
+rule as per-layer dispatch (:func:`attnhost.forward_mode.per_mode`), so the kernel that runs is always the one
+dispatch reports.
 """
 
 from __future__ import annotations

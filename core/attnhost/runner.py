@@ -1,10 +1,8 @@
 """``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
 
-Each runner resolves its backend names from the immutable args, builds its
-backend through the registry, stamps the names on that backend instance, and
-offers a forward context for its forwards. It never writes to the args, to a
-module global, or to another runner — the isolation SGLang #28559 had to
-retrofit holds here by construction.
+A runner reads the immutable args, builds its own backend, stamps its backend names on that instance and
+enters its own forward context. It never writes to the args, to a module global or to another runner: the
+isolation SGLang #28559 had to retrofit holds here by construction.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnhost import resolution
 from attnhost.availability import check_availability
 from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
 from attnhost.context import ForwardContext
@@ -25,12 +24,6 @@ from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
 from attnhost.platform import current_platform
-from attnhost.resolution import (
-    DraftResolution,
-    TargetResolution,
-    resolve_attention_backends,
-    resolve_draft_attention_backend,
-)
 from attnhost.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -47,10 +40,8 @@ _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests",
 class ModelRunner:
     """A target or draft model runner: shape, KV cache, and an isolated attention backend.
 
-    Everything but ``args`` has a default that fits a CPU test or demo; a
-    real engine passes its model's shape. ``platform`` overrides detection
-    (as ``--platform`` does), which matters only for resolution and the
-    availability check.
+    The defaults fit a CPU test or demo. ``platform`` overrides detection (as ``--platform`` does) for
+    resolution and the availability check.
     """
 
     def __init__(
@@ -98,15 +89,15 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.resolution: TargetResolution | DraftResolution
+        self.resolution: resolution.TargetResolution | resolution.DraftResolution
         if is_draft:
-            self.resolution = resolve_draft_attention_backend(args, self.platform)
+            self.resolution = resolution.resolve_draft_attention_backend(args, self.platform)
             if self.resolution.problem is not None:
                 # Said before the generic "unavailable": the user may never have named this backend (a fallback).
                 raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
             prefill = decode = self.resolution.name
         else:
-            self.resolution = resolve_attention_backends(args, self.platform)
+            self.resolution = resolution.resolve_attention_backends(args, self.platform)
             prefill, decode = self.resolution.prefill, self.resolution.decode
         self.prefill_attention_backend_str = prefill
         self.decode_attention_backend_str = decode
@@ -117,7 +108,13 @@ class ModelRunner:
             self.attn_backend = HybridAttnBackend(prefill_backend, decode_backend, args.speculative_attention_mode)
         self.attn_backend.prefill_attention_backend_str = prefill
         self.attn_backend.decode_attention_backend_str = decode
-        self._log_choice(prefill, decode)
+        label = get_registry().entry
+        built = f"{prefill!r} from {label(prefill).label}"
+        if prefill != decode:
+            built = f"prefill {built}, decode {decode!r} from {label(decode).label}"
+        logger.info(
+            "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
+        )
         self._stamps: tuple[str | None, str | None] | None = None
         self._context: ForwardContext | None = None
 
@@ -141,35 +138,21 @@ class ModelRunner:
                 f"{where} is unavailable: {availability.reason}; choose another backend (see `attnhost list`)"
             )
         fix = f"fix or reinstall {entry.distribution}" if entry.distribution else "fix the plugin"
+        way_out = f"{fix}, or choose another backend"
         try:
             with plugin_output():  # importing plugin code: stdout is not its to write
                 factory = entry.spec.load()
         except (Exception, SystemExit) as exc:
-            raise BackendUnavailableError(
-                f"{where} could not be loaded: {describe_exception(exc)}; {fix}, or choose another backend"
-            ) from exc
+            raise BackendUnavailableError(f"{where} could not be loaded: {describe_exception(exc)}; {way_out}") from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
-        backend = build_backend(factory, self, where=where, way_out=f"{fix}, or choose another backend", owner=owner)
+        backend = build_backend(factory, self, where=where, way_out=way_out, owner=owner)
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
         return backend
-
-    def _log_choice(self, prefill: str, decode: str) -> None:
-        """One INFO line: which backend this runner built, from which plugin and distribution, and why."""
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        label = get_registry().entry
-        built = f"{prefill!r} from {label(prefill).label}"
-        if prefill != decode:
-            built = f"prefill {built}, decode {decode!r} from {label(decode).label}"
-        logger.info(
-            "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
-        )
 
     def forward_context(self) -> AbstractContextManager[AttentionBackend]:
         """Make this runner's backend the current one for the forwards inside the ``with`` block.
 
-        The names dispatched on are the backend's stamps, else the args' defaults; they are
-        re-read per forward, as SGLang reads them, so a changed stamp is honoured.
+        Dispatch uses the backend's stamps, else the args' defaults, re-read per forward as SGLang does.
         """
         backend = self.attn_backend
         stamps = (backend.prefill_attention_backend_str, backend.decode_attention_backend_str)
@@ -183,8 +166,6 @@ class ModelRunner:
             self._stamps = stamps
             self._context = ForwardContext(backend, per_mode(prefill, decode, self.args.speculative_attention_mode))
         return self._context.activate()
-
-    # -- convenience for models and tests ------------------------------------------
 
     def new_request(self) -> int:
         """Allocate a request slot in this runner's KV cache."""
