@@ -1,7 +1,7 @@
 """The contract every attention backend implements, and the layer it is called for.
 
-Kept free of a module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery
-must not pay for torch.
+No module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay
+for torch.
 """
 
 from __future__ import annotations
@@ -28,24 +28,23 @@ __all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapa
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-class KVCache(Protocol):
-    """The token-slot KV cache a backend reads and writes, whoever owns it.
-
-    attnhost's :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own
-    caches as others, without copying a byte. So a backend may rely on exactly this (README's plugin guide has
-    the shapes) and nothing more:
-
-    * ``k_buffer``/``v_buffer`` may be *strided* views (vLLM keeps a slot's K and V side by side): index or
-      ``index_select`` them, never ``view`` them.
-    * ``req_to_token[req_pool_indices[i], p]``, int32 or int64, is the slot of token ``p < seq_lens[i]`` of
-      request ``i``; entries past it are undefined.
-    """
-
+class _OnDevice(Protocol):
     @property
     def device(self) -> torch.device: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
+
+
+class KVCache(_OnDevice, Protocol):
+    """The token-slot KV cache a backend reads and writes, whoever owns it.
+
+    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches
+    without copying a byte, so a backend may rely on exactly this (shapes: README's plugin guide). The K/V
+    buffers may be *strided* views (vLLM keeps a slot's K and V side by side): index, never ``view`` them.
+    ``req_to_token[req_pool_indices[i], p]`` (int32 or int64) is the slot of token ``p < seq_lens[i]`` of
+    request ``i``; entries past it are undefined.
+    """
 
     @property
     def req_to_token(self) -> torch.Tensor: ...
@@ -57,16 +56,8 @@ class KVCache(Protocol):
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
-class AttentionRunner(Protocol):
-    """What a backend factory receives: a :class:`~attnhost.runner.ModelRunner`, or inside an engine the bridge's
-    object with the same attributes, so one factory serves every engine.
-    """
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
+class AttentionRunner(_OnDevice, Protocol):
+    """What a backend factory receives: a ``ModelRunner`` or an engine bridge's look-alike: one factory serves all."""
 
     @property
     def is_draft(self) -> bool: ...
@@ -116,8 +107,9 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayer:
-    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields); ``scaling <= 0`` means
-    ``1/sqrt(head_dim)``. Consecutive groups of query heads share one KV head (GQA; MQA for one).
+    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields).
+
+    ``scaling <= 0`` means ``1/sqrt(head_dim)``; consecutive groups of query heads share a KV head (GQA, MQA).
     """
 
     layer_id: int
@@ -145,8 +137,7 @@ class AttentionBackend(abc.ABC):
     runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
     #28559). ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` ``[tokens, num_kv_heads, head_dim]``: the
     batch's new tokens in request order; the result has ``q``'s shape. A subclass implements
-    ``init_forward_metadata`` and ``forward_extend``, the one attention method it needs (without it,
-    instantiating is a ``TypeError``).
+    ``init_forward_metadata`` and ``forward_extend``, the one attention method it needs (else: ``TypeError``).
     """
 
     prefill_attention_backend_str: str | None = None
@@ -181,8 +172,7 @@ class AttentionBackend(abc.ABC):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
 
-# Every backend instance a factory has returned to a runner and that is still alive, by ``id``; a
-# registered (virtual) subclass whose instances take no weak reference is kept for the life of the process.
+# The live backends factories have handed to runners, by id (a virtual subclass without weak references: forever).
 _handed_out: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
 _unweakrefable: dict[int, AttentionBackend] = {}
 _handed_out_lock = threading.Lock()
@@ -195,9 +185,9 @@ def build_backend(
 
     A factory handing one instance to two runners (a cached singleton, say) makes the target dispatch to the
     draft's backend, SGLang #28559's bug, so the second hand-out is refused. Whatever the factory raises,
-    ``SystemExit`` included, becomes a ``BackendUnavailableError``: it is other people's code running inside a
-    server's start-up. ``where`` names the runner, backend, plugin and distribution; ``way_out`` ends a
-    factory-failure message; ``owner`` is whom to report a broken contract to.
+    ``SystemExit`` included, becomes a ``BackendUnavailableError``: it is other people's code inside a server's
+    start-up. ``where`` names runner, backend and plugin, ``way_out`` ends a factory-failure message, and
+    ``owner`` is whom to report a broken contract to.
     """
     try:
         backend = factory(runner)

@@ -1,11 +1,9 @@
 """The forward context: which runner's backend the current forward runs on.
 
-SGLang #28559's bug was a draft runner writing its backend into global args, so the target dispatched to the
-draft's kernel. Here model code asks the *current* context, which each runner enters for its own forwards; a
-``ContextVar`` keeps that correct across threads, asyncio tasks and nested runners.
-
-``dispatch_attention_backend`` runs per layer per step, so the runner precomputes the backend name of every
-forward mode into the context: one ``ContextVar.get`` and one tuple index per call, no allocation.
+SGLang #28559's bug was a draft runner writing its backend into global args, so the target ran the draft's
+kernel. Here each runner enters its own context for its forwards (a ``ContextVar``: right across threads,
+asyncio tasks and nesting), and dispatch, run per layer per step, is one ``ContextVar.get`` and one index into
+names precomputed per forward mode, allocating nothing.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
 Each rank of a tensor-parallel server discovers plugins from its own environment: one rank with another
 ``ATTNHOST_PLUGINS``, an older wheel or a broken plugin would silently resolve another kernel and compute
-different attention. :func:`check_ranks_agree` gathers every rank's fingerprint (plugins, registered and
-resolved backends) and raises the same :class:`RankMismatchError` on every rank when they differ.
-
-It never hangs on a rank's own fault: computing the fingerprint cannot raise (a rank that cannot resolve sends
-its error instead), so every rank reaches the one ``all_gather_object``; a rank that never calls the check is
-bounded by the group's timeout, re-raised as :class:`RankCheckError`. ``torch`` is imported only by the check.
+different attention. :func:`check_ranks_agree` gathers every rank's fingerprint and raises the same
+:class:`RankMismatchError` on every rank when they differ. It never hangs on a rank's own fault: computing
+the fingerprint cannot raise (a rank sends its error instead), so every rank reaches the one
+``all_gather_object``; a rank that never calls is bounded by the group's timeout (:class:`RankCheckError`).
+``torch`` is imported only by the check.
 """
 
 from __future__ import annotations
@@ -22,43 +21,28 @@ from attnhost.platform import current_platform
 from attnhost.resolution import resolve
 from attnhost.server_args import ServerArgs
 
-__all__ = [
-    "RankCheckError",
-    "RankFingerprint",
-    "RankMismatchError",
-    "check_ranks_agree",
-    "compare_fingerprints",
-    "describe_differences",
-    "local_fingerprint",
-]
+__all__ = ["RankCheckError", "RankFingerprint", "RankMismatchError", "check_ranks_agree", "compare_fingerprints"]
 
 PluginRow = tuple[str, str | None, str | None, str]  # (name, distribution, version, status)
 BackendRow = tuple[str, str, bool]  # (name, owning plugin, draft-capable)
-ArgsLike = ServerArgs | Mapping[str, Any] | None  # a mapping: ServerArgs fields, built on the rank
+# A mapping of ServerArgs fields is built on each rank, so a rank missing a backend they name reports it.
+ArgsLike = ServerArgs | Mapping[str, Any] | None
 
 
 @dataclass(frozen=True, slots=True)
 class RankFingerprint:
-    """What one rank would run: its plugins, its registry and its resolution (or why it has none).
-
-    All but ``rank`` is compared (``==``) across ranks; ``resolved`` is ``(prefill, decode, draft)`` for the
-    args given to the check, ``error`` why this rank could not load or resolve.
-    """
+    """What one rank would run: its plugins, its registry and its resolution; all but ``rank`` is compared."""
 
     rank: int = field(compare=False)
     platform: str | None
     plugins: tuple[PluginRow, ...]
     backends: tuple[BackendRow, ...]
-    resolved: tuple[str, str, str] | None
-    error: str | None = None
+    resolved: tuple[str, str, str] | None  # (prefill, decode, draft) for the args given to the check
+    error: str | None = None  # why this rank could not load or resolve
 
 
-def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, rank: int = 0) -> RankFingerprint:
-    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it).
-
-    ``args`` may be a mapping of ``ServerArgs`` fields, built here, so that a rank missing a backend named in
-    them reports that instead of failing before the collective; ``None`` means ``ServerArgs()``.
-    """
+def _local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, rank: int = 0) -> RankFingerprint:
+    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it)."""
     host = default_host()
     plugins: tuple[PluginRow, ...] = ()
     resolved_platform: str | None = platform
@@ -74,7 +58,7 @@ def local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, ran
     return RankFingerprint(rank, resolved_platform, plugins, backends, resolved)
 
 
-def describe_differences(ref: RankFingerprint, other: RankFingerprint) -> str:
+def _describe_differences(ref: RankFingerprint, other: RankFingerprint) -> str:
     """``rank 2 differs from rank 0: ...``: one clause per difference, on one line."""
     parts: list[str] = []
     if other.error != ref.error:
@@ -85,10 +69,8 @@ def describe_differences(ref: RankFingerprint, other: RankFingerprint) -> str:
     if other.platform != ref.platform:
         parts.append(f"platform {other.platform!r} vs {ref.platform!r}")
     mine, theirs = ({row[0]: row for row in fp.plugins} for fp in (ref, other))
-    for name in sorted(mine.keys() | theirs.keys()):
+    for name in sorted(n for n in mine.keys() | theirs.keys() if mine.get(n) != theirs.get(n)):
         a, b = mine.get(name), theirs.get(name)
-        if a == b:
-            continue
         if b is None:
             assert a is not None
             parts.append(f"{plugin_label(*a[:3])} missing (rank {ref.rank}: {a[3]})")
@@ -128,7 +110,7 @@ def compare_fingerprints(fingerprints: Sequence[RankFingerprint]) -> str | None:
         return None
     ref = ordered[0]
     ranks = ", ".join(str(fp.rank) for fp in differing)
-    details = " | ".join(describe_differences(ref, fp) for fp in differing)
+    details = " | ".join(_describe_differences(ref, fp) for fp in differing)
     return (
         f"attention plugins or backends differ across ranks (rank(s) {ranks} vs rank {ref.rank}): {details} "
         "— give every rank the same installed plugins and ATTNHOST_* settings"
@@ -140,15 +122,14 @@ def check_ranks_agree(
 ) -> tuple[RankFingerprint, ...]:
     """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree.
 
-    Raises :class:`RankMismatchError` on every rank when any rank differs (the same message everywhere), and
-    :class:`RankCheckError` if the collective itself fails (e.g. a rank never joins before the group's
-    timeout). ``args`` as for :func:`local_fingerprint`.
+    Raises the same :class:`RankMismatchError` on every rank when any differs, :class:`RankCheckError` if
+    the gather fails (a rank never joins before the group's timeout, say).
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RankCheckError("check_ranks_agree needs an initialised torch.distributed process group")
-    mine = local_fingerprint(args, platform=platform, rank=dist.get_rank())
+    mine = _local_fingerprint(args, platform=platform, rank=dist.get_rank())
     gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(gathered, mine, group=group)

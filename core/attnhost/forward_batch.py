@@ -1,14 +1,12 @@
 """The token-slot KV cache and the per-forward batch that attention backends read.
 
 Modelled on SGLang with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and
-``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` carries plain-int mirrors of
-its length tensors, so per-layer code never synchronises with the device to learn a shape. This module imports
-torch: keep it off the import path plugin discovery walks (``attnhost.backend`` names it only for typing).
+``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` mirrors its lengths as ints, so
+per-layer code never syncs with the device for a shape. Imports torch: keep it off plugin discovery's path.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 from collections.abc import Iterable, Sequence
@@ -47,9 +45,8 @@ def float_dtype(owner: str, dtype: object) -> torch.dtype:
 class KVPool:
     """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table.
 
-    Allocation is a FIFO free list so that the same sequence of calls always yields the same slots: tests and
-    benchmarks depend on reproducible layouts. A fresh pool hands out ascending, contiguous runs, which lets
-    backends use zero-copy views instead of gathers.
+    Allocation is FIFO, so the same calls always yield the same slots (tests and benchmarks need reproducible
+    layouts), and a fresh pool hands out ascending runs, which backends read as zero-copy views.
     """
 
     def __init__(
@@ -78,11 +75,8 @@ class KVPool:
         self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
-        # The allocator state lives on the CPU: it is bookkeeping, not data.
-        self._free_slots = torch.arange(num_slots, dtype=torch.int64)
-        self._slot_is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._free_requests: collections.deque[int] = collections.deque(range(max_requests))
-        self._live_requests: set[int] = set()
+        self._free_slots = torch.arange(num_slots, dtype=torch.int64)  # on the CPU: bookkeeping, not data
+        self._free_requests: dict[int, None] = dict.fromkeys(range(max_requests))  # a FIFO set
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self._k[self._check_layer(layer_id)]
@@ -93,9 +87,8 @@ class KVPool:
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer.
 
-        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU opens an OpenMP parallel region even for
-        a handful of rows and, on cores shared with other work, waits for descheduled threads (BENCHMARKS.md).
-        Both leave one unspecified winner for duplicate slots.
+        Not ``buffer[loc] = k`` (``index_put_``): on CPU that opens an OpenMP parallel region even for a few
+        rows, which on shared cores waits for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins.
         """
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
@@ -122,7 +115,6 @@ class KVPool:
                 f"{self.num_slots} free; free finished requests' slots or build a larger KVPool"
             )
         taken, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        self._slot_is_free[taken] = False
         return taken.to(self.device)
 
     def free_slots(self, slots: torch.Tensor) -> None:
@@ -131,9 +123,8 @@ class KVPool:
         if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots):
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
         ordered = cpu.sort().values
-        if bool(self._slot_is_free[cpu].any()) or bool((ordered[1:] == ordered[:-1]).any()):
+        if bool((ordered[1:] == ordered[:-1]).any()) or bool(torch.isin(cpu, self._free_slots).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
-        self._slot_is_free[cpu] = True
         self._free_slots = torch.cat([self._free_slots, cpu])
 
     def alloc_request(self) -> int:
@@ -143,28 +134,26 @@ class KVPool:
                 f"KV pool has no free request slot (max_requests={self.max_requests}); "
                 "free a finished request or build a larger KVPool"
             )
-        index = self._free_requests.popleft()
-        self._live_requests.add(index)
+        index = next(iter(self._free_requests))
+        del self._free_requests[index]
         return index
 
     def free_request(self, index: int) -> None:
         """Release a request slot; its token slots are the caller's to free (as in SGLang)."""
-        if index not in self._live_requests:
+        if not self.is_live_request(index):
             raise ValueError(f"KVPool.free_request: request slot {index} is not allocated")
-        self._live_requests.remove(index)
-        self._free_requests.append(index)
+        self._free_requests[index] = None
 
     def is_live_request(self, index: int) -> bool:
-        return index in self._live_requests
+        return 0 <= index < self.max_requests and index not in self._free_requests
 
 
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
     """One forward pass: which requests run, how many new tokens each brings, where they go.
 
-    ``prefix_lens`` (SGLang's ``extend_prefix_lens``) counts the tokens cached before this forward, ``seq_lens``
-    those after it. ``batch_size``, ``num_new_tokens`` and ``extend_start_loc_cpu`` (where each request's new
-    tokens start in ``q``) are derived; the constructor refuses lengths and shapes that disagree.
+    ``prefix_lens`` (SGLang's ``extend_prefix_lens``) counts tokens cached before this forward, ``seq_lens``
+    after it; ``extend_start_loc_cpu`` is where each request's new tokens start in ``q``; mismatches are refused.
     """
 
     forward_mode: ForwardMode
@@ -203,11 +192,8 @@ class ForwardBatch:
 
     @classmethod
     def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[RequestSpec]) -> ForwardBatch:
-        """Allocate slots for each request's new tokens, record them, and build the batch.
-
-        Everything is validated before anything is allocated, so a rejected batch leaves the pool untouched;
-        each refusal names the request.
-        """
+        """Allocate and record each request's new slots and build the batch; a refused batch (the refusal
+        names the request) leaves the pool untouched, as everything is checked before anything is taken."""
         specs = [tuple(int(x) for x in r) for r in requests]
         if forward_mode is ForwardMode.IDLE and specs:
             raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")

@@ -1,7 +1,6 @@
-"""Forward modes and the one rule that maps a mode to the prefill or decode half.
+"""Forward modes, and the one rule that maps a mode to the prefill or decode half.
 
-The rule lives here, once, because both the per-layer dispatch and the hybrid backend need it and must never
-disagree about which kernel a forward runs.
+The rule lives here, once, because per-layer dispatch and the hybrid backend must never disagree about it.
 """
 
 from __future__ import annotations
@@ -52,10 +51,10 @@ class ForwardMode(enum.IntEnum):
 
 
 def per_mode(prefill: T, decode: T, speculative_attention_mode: str) -> tuple[T, ...]:
-    """``prefill`` or ``decode`` for every forward mode, indexed by ``int(mode)``.
+    """``prefill`` or ``decode`` for every forward mode, by ``int(mode)``: SGLang's ``dispatch_attn_forward_method``.
 
-    Exactly SGLang's ``dispatch_attn_forward_method``: decode and idle use the decode half; target-verify and
-    draft-extend-v2 use it only when ``speculative_attention_mode == "decode"``; everything else uses prefill.
+    Decode and idle use decode, and so do target-verify and draft-extend-v2 when ``speculative_attention_mode``
+    is ``"decode"``; everything else uses prefill.
     """
     on_decode = {ForwardMode.DECODE, ForwardMode.IDLE}
     if speculative_attention_mode == "decode":

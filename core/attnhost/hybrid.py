@@ -1,8 +1,7 @@
-"""A target backend made of two: one for prefill-like forwards, one for decode-like ones.
+"""A target backend made of two, for when the prefill and decode attention backends differ.
 
-Used when ``--prefill-attention-backend`` and ``--decode-attention-backend`` differ. It routes with the same
-rule as per-layer dispatch (:func:`attnhost.forward_mode.per_mode`), so the kernel that runs is always the one
-dispatch reports.
+It routes by :func:`attnhost.forward_mode.per_mode`, as dispatch does, so the kernel that runs is always the
+one dispatch reports.
 """
 
 from __future__ import annotations
@@ -36,6 +35,5 @@ class HybridAttnBackend(AttentionBackend):
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        # The sub-backend's own forward() picks its decode or extend method for the batch's mode,
-        # so one routing method serves both (the base's forward_decode lands here too).
+        # The sub-backend's forward() picks its decode or extend method, so this serves both (forward_decode too).
         return self._by_mode[forward_batch.forward_mode].forward(q, k, v, layer, forward_batch, save_kv_cache)

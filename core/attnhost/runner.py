@@ -1,8 +1,8 @@
 """``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
 
-A runner reads the immutable args, builds its own backend, stamps its backend names on that instance and
-enters its own forward context. It never writes to the args, to a module global or to another runner: the
-isolation SGLang #28559 had to retrofit holds here by construction.
+A runner builds its own backend, stamps its backend names on that instance and enters its own forward context;
+it never writes to the args, a module global or another runner, so the isolation SGLang #28559 had to retrofit
+holds by construction.
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests",
 class ModelRunner:
     """A target or draft model runner: shape, KV cache, and an isolated attention backend.
 
-    The defaults fit a CPU test or demo. ``platform`` overrides detection (as ``--platform`` does) for
-    resolution and the availability check.
+    The defaults fit a CPU test; ``platform`` overrides detection, as ``--platform`` does.
     """
 
     def __init__(
@@ -75,6 +74,7 @@ class ModelRunner:
         check_size("ModelRunner", "num_slots", num_slots)
         self.args = args
         self.is_draft = is_draft
+        self.role = "draft" if is_draft else "target"
         self.platform = current_platform(platform)
         self.dtype = float_dtype("ModelRunner", dtype)
         self.device = torch.device(device)
@@ -99,28 +99,18 @@ class ModelRunner:
         else:
             self.resolution = resolution.resolve_attention_backends(args, self.platform)
             prefill, decode = self.resolution.prefill, self.resolution.decode
-        self.prefill_attention_backend_str = prefill
-        self.decode_attention_backend_str = decode
-        if prefill == decode:
-            self.attn_backend = self._build_one(prefill)
-        else:
-            prefill_backend, decode_backend = self._build_one(prefill), self._build_one(decode)
-            self.attn_backend = HybridAttnBackend(prefill_backend, decode_backend, args.speculative_attention_mode)
-        self.attn_backend.prefill_attention_backend_str = prefill
-        self.attn_backend.decode_attention_backend_str = decode
         label = get_registry().entry
+        backend = self._build_one(prefill)
         built = f"{prefill!r} from {label(prefill).label}"
         if prefill != decode:
+            backend = HybridAttnBackend(backend, self._build_one(decode), args.speculative_attention_mode)
             built = f"prefill {built}, decode {decode!r} from {label(decode).label}"
+        self.attn_backend = backend
+        self.prefill_attention_backend_str = backend.prefill_attention_backend_str = prefill
+        self.decode_attention_backend_str = backend.decode_attention_backend_str = decode
         logger.info(
             "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
         )
-        self._stamps: tuple[str | None, str | None] | None = None
-        self._context: ForwardContext | None = None
-
-    @property
-    def role(self) -> str:
-        return "draft" if self.is_draft else "target"
 
     def __repr__(self) -> str:
         return (
@@ -150,22 +140,17 @@ class ModelRunner:
         return backend
 
     def forward_context(self) -> AbstractContextManager[AttentionBackend]:
-        """Make this runner's backend the current one for the forwards inside the ``with`` block.
-
-        Dispatch uses the backend's stamps, else the args' defaults, re-read per forward as SGLang does.
-        """
+        """Make this runner's backend current inside the ``with``; dispatch reads its stamps (else the args'
+        defaults) per forward, as SGLang does."""
         backend = self.attn_backend
-        stamps = (backend.prefill_attention_backend_str, backend.decode_attention_backend_str)
-        if self._context is None or stamps != self._stamps:
-            default_prefill, default_decode = self.args.get_attention_backends()
-            prefill, decode = stamps[0] or default_prefill, stamps[1] or default_decode
-            if prefill is None or decode is None:
-                raise BackendUnavailableError(
-                    f"{self.role} runner: its backend carries no backend names and the args name none"
-                )
-            self._stamps = stamps
-            self._context = ForwardContext(backend, per_mode(prefill, decode, self.args.speculative_attention_mode))
-        return self._context.activate()
+        default_prefill, default_decode = self.args.get_attention_backends()
+        prefill = backend.prefill_attention_backend_str or default_prefill
+        decode = backend.decode_attention_backend_str or default_decode
+        if prefill is None or decode is None:
+            raise BackendUnavailableError(
+                f"{self.role} runner: its backend carries no backend names and the args name none"
+            )
+        return ForwardContext(backend, per_mode(prefill, decode, self.args.speculative_attention_mode)).activate()
 
     def new_request(self) -> int:
         """Allocate a request slot in this runner's KV cache."""
