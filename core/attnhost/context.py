@@ -1,9 +1,8 @@
 """The forward context: which runner's backend the current forward runs on.
 
 SGLang #28559's bug was a draft runner writing its backend into global args, so the target ran the draft's
-kernel. Here each runner enters its own context for its forwards (a ``ContextVar``: right across threads,
-asyncio tasks and nesting), and dispatch, run per layer per step, is one ``ContextVar.get`` and one index into
-names precomputed per forward mode, allocating nothing.
+kernel. Here each runner enters its own context (a ``ContextVar``: right across threads, asyncio tasks and
+nesting); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index, allocating nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from attnhost.errors import NoForwardContextError
 
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 __all__ = ["ForwardContext", "dispatch_attention_backend", "get_attn_backend"]
 
 
-class ForwardContext(NamedTuple):
+@dataclass(frozen=True, slots=True)  # slots, not a NamedTuple: dispatch reads ``names`` faster
+class ForwardContext:
     """What one runner's forwards dispatch on: its backend and the backend name per ``int(mode)``."""
 
     backend: AttentionBackend

@@ -2,11 +2,10 @@
 
 Each rank of a tensor-parallel server discovers plugins from its own environment: one rank with another
 ``ATTNHOST_PLUGINS``, an older wheel or a broken plugin would silently resolve another kernel and compute
-different attention. :func:`check_ranks_agree` gathers every rank's fingerprint and raises the same
-:class:`RankMismatchError` on every rank when they differ. It never hangs on a rank's own fault: computing
-the fingerprint cannot raise (a rank sends its error instead), so every rank reaches the one
-``all_gather_object``; a rank that never calls is bounded by the group's timeout (:class:`RankCheckError`).
-``torch`` is imported only by the check.
+different attention. :func:`check_ranks_agree` raises the same :class:`RankMismatchError` on every rank when
+their fingerprints differ. It never hangs on a rank's own fault: a fingerprint cannot fail (a rank sends its
+error instead), so every rank reaches the one ``all_gather_object``; a rank that never calls is bounded by the
+group's timeout (:class:`RankCheckError`). ``torch`` is imported only by the check.
 """
 
 from __future__ import annotations

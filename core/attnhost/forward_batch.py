@@ -192,8 +192,10 @@ class ForwardBatch:
 
     @classmethod
     def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[RequestSpec]) -> ForwardBatch:
-        """Allocate and record each request's new slots and build the batch; a refused batch (the refusal
-        names the request) leaves the pool untouched, as everything is checked before anything is taken."""
+        """Allocate and record each request's new slots, then build the batch.
+
+        Everything is checked before anything is taken, so a refusal (naming the request) leaves the pool as it was.
+        """
         specs = [tuple(int(x) for x in r) for r in requests]
         if forward_mode is ForwardMode.IDLE and specs:
             raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")

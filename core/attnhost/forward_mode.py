@@ -1,7 +1,4 @@
-"""Forward modes, and the one rule that maps a mode to the prefill or decode half.
-
-The rule lives here, once, because per-layer dispatch and the hybrid backend must never disagree about it.
-"""
+"""Forward modes, and the one rule mapping a mode to the prefill or decode half, so dispatch and hybrid agree."""
 
 from __future__ import annotations
 

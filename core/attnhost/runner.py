@@ -7,8 +7,9 @@ holds by construction.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,13 +36,12 @@ logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
+# per_mode for backend names, remembered: every forward enters a context, and per_mode takes microseconds.
+_dispatch_names: Callable[[str, str, str], tuple[str, ...]] = functools.lru_cache(maxsize=256)(per_mode)
 
 
 class ModelRunner:
-    """A target or draft model runner: shape, KV cache, and an isolated attention backend.
-
-    The defaults fit a CPU test; ``platform`` overrides detection, as ``--platform`` does.
-    """
+    """A target or draft model runner: shape, KV cache, and an isolated attention backend."""
 
     def __init__(
         self,
@@ -57,7 +57,7 @@ class ModelRunner:
         num_slots: int | None = None,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
-        platform: str | None = None,
+        platform: str | None = None,  # overrides detection, as --platform does
     ) -> None:
         if not isinstance(args, ServerArgs):
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
@@ -140,8 +140,7 @@ class ModelRunner:
         return backend
 
     def forward_context(self) -> AbstractContextManager[AttentionBackend]:
-        """Make this runner's backend current inside the ``with``; dispatch reads its stamps (else the args'
-        defaults) per forward, as SGLang does."""
+        """Make this runner's backend current in the ``with``; dispatch reads its stamps (else the args'), as SGLang."""
         backend = self.attn_backend
         default_prefill, default_decode = self.args.get_attention_backends()
         prefill = backend.prefill_attention_backend_str or default_prefill
@@ -150,7 +149,8 @@ class ModelRunner:
             raise BackendUnavailableError(
                 f"{self.role} runner: its backend carries no backend names and the args name none"
             )
-        return ForwardContext(backend, per_mode(prefill, decode, self.args.speculative_attention_mode)).activate()
+        names = _dispatch_names(prefill, decode, self.args.speculative_attention_mode)
+        return ForwardContext(backend, names).activate()
 
     def new_request(self) -> int:
         """Allocate a request slot in this runner's KV cache."""
