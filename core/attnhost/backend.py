@@ -1,7 +1,7 @@
 """The contract every attention backend implements, and the layer it is called for.
 
-Kept free of a module-level torch import: plugins subclass
-``AttentionBackend`` at import time, and discovery must not pay for torch.
+No module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay
+for torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from attnhost.errors import BackendUnavailableError, describe_exception, safe_repr
@@ -23,44 +23,28 @@ if TYPE_CHECKING:
 
     from attnhost.forward_batch import ForwardBatch
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionLayer",
-    "AttentionRunner",
-    "BackendCapabilities",
-    "KVCache",
-    "build_backend",
-]
+__all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache", "build_backend"]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
-class KVCache(Protocol):
-    """The token-slot KV cache a backend reads and writes, whoever owns it.
-
-    attnhost's own :class:`~attnhost.forward_batch.KVPool` is one; the engine
-    bridges wrap SGLang's ``MHATokenToKVPool`` + ``ReqToTokenPool`` and vLLM's
-    paged per-layer tensor as others, without copying a byte of the cache.
-    So a backend may rely on exactly this and nothing more:
-
-    * ``k_buffer(layer_id)`` / ``v_buffer(layer_id)``: ``[num_slots,
-      num_kv_heads, head_dim]`` of dtype ``dtype``. They may be *strided*
-      views (vLLM keeps K and V of a slot side by side), so index, slice or
-      ``index_select`` them; never assume ``is_contiguous()`` or ``view`` them
-      into another shape.
-    * ``req_to_token``: ``[rows, max_context_len]`` integer (int32 or int64)
-      table; row ``forward_batch.req_pool_indices[i]`` holds, at position
-      ``p < seq_lens[i]``, the slot of token ``p`` of request ``i``. Entries
-      past ``seq_lens[i]`` are undefined.
-    * ``set_kv(layer_id, loc, k, v)``: write the new tokens' K/V
-      (``[len(loc), num_kv_heads, head_dim]``) at slots ``loc`` (int64).
-    """
-
+class _OnDevice(Protocol):
     @property
     def device(self) -> torch.device: ...
 
     @property
     def dtype(self) -> torch.dtype: ...
+
+
+class KVCache(_OnDevice, Protocol):
+    """The token-slot KV cache a backend reads and writes, whoever owns it.
+
+    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches
+    without copying a byte, so a backend may rely on exactly this (shapes: README's plugin guide). The K/V
+    buffers may be *strided* views (vLLM keeps a slot's K and V side by side): index, never ``view`` them.
+    ``req_to_token[req_pool_indices[i], p]`` (int32 or int64) is the slot of token ``p < seq_lens[i]`` of
+    request ``i``; entries past it are undefined.
+    """
 
     @property
     def req_to_token(self) -> torch.Tensor: ...
@@ -72,19 +56,8 @@ class KVCache(Protocol):
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
-class AttentionRunner(Protocol):
-    """What a backend factory receives: the facts of the model runner it serves.
-
-    attnhost's :class:`~attnhost.runner.ModelRunner` is one; inside SGLang
-    and vLLM the bridges pass a small object with the same attributes, so
-    one factory serves every engine.
-    """
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
+class AttentionRunner(_OnDevice, Protocol):
+    """What a backend factory receives: a ``ModelRunner`` or an engine bridge's look-alike: one factory serves all."""
 
     @property
     def is_draft(self) -> bool: ...
@@ -95,18 +68,11 @@ class AttentionRunner(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
-    """What a backend declares it supports, so engines refuse the rest up front.
+    """What a backend declares it supports, so engines refuse the rest before they build or capture anything.
 
-    Engines ask before they build or graph-capture anything: the SGLang and
-    vLLM bridges switch CUDA graphs off for a backend without
-    ``cuda_graph``, advertise ``dtypes`` and ``head_dims`` to vLLM's backend
-    selector, and refuse a model outside them with an error naming the
-    backend. The attention contract itself has no sliding window, logit
-    cap, ALiBi, sinks, MLA or cross-attention, so those are refused for every
-    attnhost backend rather than declared here.
-
-    ``dtypes`` names the query and KV-cache dtypes (``torch`` attribute
-    names); ``head_dims`` empty means any head dimension.
+    ``dtypes`` are ``torch`` attribute names (query and KV cache), ``head_dims`` empty means any. What the
+    contract itself lacks (sliding window, logit cap, ALiBi, sinks, MLA, cross-attention) is refused for every
+    backend rather than declared here.
     """
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
@@ -125,10 +91,9 @@ class BackendCapabilities:
 
     def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None) -> str | None:
         """Why a model with these properties cannot run on this backend, or ``None`` if it can."""
-        if dtype not in self.dtypes:
-            return f"dtype {dtype} (it supports {', '.join(self.dtypes)})"
-        if kv_dtype is not None and kv_dtype not in self.dtypes:
-            return f"KV-cache dtype {kv_dtype} (it supports {', '.join(self.dtypes)})"
+        for what, name in (("dtype", dtype), ("KV-cache dtype", kv_dtype)):
+            if name is not None and name not in self.dtypes:
+                return f"{what} {name} (it supports {', '.join(self.dtypes)})"
         if self.head_dims and head_dim not in self.head_dims:
             return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
         return None
@@ -144,16 +109,14 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 class AttentionLayer:
     """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields).
 
-    ``q`` has ``num_heads`` heads, ``k``/``v`` have ``num_kv_heads``; when
-    ``num_kv_heads < num_heads`` consecutive groups of query heads share one
-    KV head (GQA; MQA when it is 1).
+    ``scaling <= 0`` means ``1/sqrt(head_dim)``; consecutive groups of query heads share a KV head (GQA, MQA).
     """
 
     layer_id: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    scaling: float = field(default=-1.0)
+    scaling: float = -1.0
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
@@ -170,24 +133,16 @@ class AttentionLayer:
 class AttentionBackend(abc.ABC):
     """Base class of attention backends: SGLang's ``AttentionBackend`` surface.
 
-    A backend is built by its factory as ``factory(runner)`` (a subclass is its
-    own factory), once per model runner, and never shared between runners.
-    The runner stamps the two ``*_attention_backend_str`` attributes on the
-    instance so per-forward dispatch can tell which kernels this runner chose
-    without reading any global (SGLang #28559).
-
-    Tensors: ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` are
-    ``[tokens, num_kv_heads, head_dim]`` for the new tokens of the batch, in
-    request order; the result is ``[tokens, num_heads, head_dim]``. A
-    subclass implements ``init_forward_metadata`` and ``forward_extend``;
-    one that implements no ``forward_extend`` cannot be instantiated
-    (``TypeError``), and ``forward_decode`` is optional.
+    Built as ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the
+    runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
+    #28559). ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` ``[tokens, num_kv_heads, head_dim]``: the
+    batch's new tokens in request order; the result has ``q``'s shape. A subclass implements
+    ``init_forward_metadata`` and ``forward_extend``, the one attention method it needs (else: ``TypeError``).
     """
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
-    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()
-    """What this backend supports; override on a subclass that does more (e.g. CUDA graphs)."""
+    capabilities: ClassVar[BackendCapabilities] = BackendCapabilities()  # override to declare more
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:  # noqa: B027 - optional to override
         """Accept the runner so a subclass is a valid factory; the base keeps nothing."""
@@ -203,11 +158,7 @@ class AttentionBackend(abc.ABC):
 
     def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        """Attention for one new token per request over its whole cached sequence.
-
-        Decode is the one-new-token case of extend, so by default it is
-        ``forward_extend``; override it only where a decode kernel is faster.
-        """
+        """One new token per request: a case of extend, so ``forward_extend`` unless a decode kernel is faster."""
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
@@ -221,10 +172,9 @@ class AttentionBackend(abc.ABC):
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
 
+# The live backends factories have handed to runners, by id (a virtual subclass without weak references: forever).
 _handed_out: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
-"""Every backend instance a factory has returned to a runner and that is still alive, by ``id``."""
 _unweakrefable: dict[int, AttentionBackend] = {}
-"""The same for the rare registered (virtual) subclass whose instances take no weak reference."""
 _handed_out_lock = threading.Lock()
 
 
@@ -233,13 +183,10 @@ def build_backend(
 ) -> AttentionBackend:
     """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
 
-    Every model runner must get its own instance: a factory that hands one
-    instance to two runners (a cached singleton, say) makes the target
-    dispatch to the draft's backend, SGLang #28559's bug, so the second hand-
-    out is refused. Whatever the factory raises, ``SystemExit`` included,
-    becomes a ``BackendUnavailableError``: it is other people's code running
-    inside a server's start-up. ``where`` names the runner, the backend, its
-    plugin and distribution; ``way_out`` ends a factory-failure message;
+    A factory handing one instance to two runners (a cached singleton, say) makes the target dispatch to the
+    draft's backend, SGLang #28559's bug, so the second hand-out is refused. Whatever the factory raises,
+    ``SystemExit`` included, becomes a ``BackendUnavailableError``: it is other people's code inside a server's
+    start-up. ``where`` names runner, backend and plugin, ``way_out`` ends a factory-failure message, and
     ``owner`` is whom to report a broken contract to.
     """
     try:
@@ -261,6 +208,6 @@ def build_backend(
             )
         try:
             _handed_out[key] = backend
-        except TypeError:  # no weak reference possible: remember it for the life of the process
+        except TypeError:  # no weak reference possible
             _unweakrefable[key] = backend
     return backend

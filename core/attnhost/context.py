@@ -1,76 +1,42 @@
 """The forward context: which runner's backend the current forward runs on.
 
-SGLang #28559's bug was a draft runner writing its backend into global args,
-so the target dispatched to the draft's kernel. Here model code asks the
-*current* context, which each runner enters for its own forwards; a
-``ContextVar`` keeps that correct across threads, asyncio tasks and nested
-runners.
-
-``dispatch_attention_backend`` runs per layer per step, so everything it needs
-is precomputed into a tuple indexed by the forward mode when the context is
-entered: one ``ContextVar.get`` and one tuple index per call, no allocation.
+SGLang #28559's bug was a draft runner writing its backend into global args, so the target ran the draft's
+kernel. Here each runner enters its own context (a ``ContextVar``: right across threads, asyncio tasks and
+nesting); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index, allocating nothing.
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar, Token
-from types import TracebackType
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from attnhost.errors import NoForwardContextError
-from attnhost.forward_mode import ForwardMode, uses_decode_backend
 
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
+    from attnhost.forward_mode import ForwardMode
 
-__all__ = [
-    "ForwardContext",
-    "dispatch_attention_backend",
-    "dispatch_table",
-    "get_attn_backend",
-]
+__all__ = ["ForwardContext", "dispatch_attention_backend", "get_attn_backend"]
 
 
-def dispatch_table(prefill: str, decode: str, speculative_attention_mode: str) -> tuple[str, ...]:
-    """The backend name for every forward mode, indexed by ``int(mode)``."""
-    return tuple(decode if uses_decode_backend(mode, speculative_attention_mode) else prefill for mode in ForwardMode)
-
-
+@dataclass(frozen=True, slots=True)  # slots, not a NamedTuple: dispatch reads ``names`` faster
 class ForwardContext:
-    """What one runner's forwards dispatch on: its backend and the per-mode backend names."""
+    """What one runner's forwards dispatch on: its backend and the backend name per ``int(mode)``."""
 
-    __slots__ = ("backend", "names")
+    backend: AttentionBackend
+    names: tuple[str, ...]
 
-    def __init__(self, backend: AttentionBackend, names: tuple[str, ...]) -> None:
-        self.backend = backend
-        self.names = names
-
-    def activate(self) -> _Activation:
-        """A context manager making this the current context.
-
-        A fresh one per ``with``, so concurrent threads never share a reset token.
-        """
-        return _Activation(self)
-
-
-class _Activation:
-    __slots__ = ("_context", "_token")
-
-    def __init__(self, context: ForwardContext) -> None:
-        self._context = context
-        self._token: Token[ForwardContext | None] | None = None
-
-    def __enter__(self) -> AttentionBackend:
-        if self._token is not None:
-            raise RuntimeError("a forward context activation cannot be entered twice; call forward_context() again")
-        self._token = _CURRENT.set(self._context)
-        return self._context.backend
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        assert self._token is not None
-        _CURRENT.reset(self._token)
+    @contextmanager
+    def activate(self) -> Iterator[AttentionBackend]:
+        """Make this the current context inside the ``with`` block (each ``with`` its own reset token)."""
+        token = _CURRENT.set(self)
+        try:
+            yield self.backend
+        finally:
+            _CURRENT.reset(token)
 
 
 _CURRENT: ContextVar[ForwardContext | None] = ContextVar("attnhost_forward_context", default=None)
@@ -90,10 +56,7 @@ def get_attn_backend() -> AttentionBackend:
 
 
 def dispatch_attention_backend(mode: ForwardMode) -> str:
-    """The backend name this forward uses, as SGLang's ``dispatch_attn_forward_method`` picks it.
-
-    Hot path: called per layer per step. One context lookup, one tuple index.
-    """
+    """The backend name this forward uses, as SGLang's ``dispatch_attn_forward_method`` picks it."""
     context = _CURRENT.get(None)
     if context is None:
         raise NoForwardContextError(_NO_CONTEXT)

@@ -1,18 +1,13 @@
 """The token-slot KV cache and the per-forward batch that attention backends read.
 
-Modelled on SGLang with page size 1: every cached token owns one *slot* in a
-per-layer K and V buffer, and ``req_to_token`` maps (request slot, position)
-to that slot.  Backends receive a ``ForwardBatch`` that carries both the
-device tensors and plain-int mirrors of the lengths, so that per-layer code
-never has to synchronise with the device to learn a shape.
-
-This module imports torch at module level; keep it out of any import path
-that plugin discovery walks (``attnhost.backend`` only names it for typing).
+Modelled on SGLang with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and
+``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` mirrors its lengths as ints, so
+per-layer code never syncs with the device for a shape. Imports torch: keep it off plugin discovery's path.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -25,17 +20,33 @@ from attnhost.forward_mode import ForwardMode
 
 __all__ = ["ForwardBatch", "KVPool", "RequestSpec"]
 
-RequestSpec = tuple[int, int, int]
-"""``(req_pool_index, prefix_len, extend_len)`` as accepted by ``ForwardBatch.prepare``."""
+RequestSpec = tuple[int, int, int]  # (req_pool_index, prefix_len, extend_len), as ForwardBatch.prepare takes
+
+
+def check_size(owner: str, name: str, value: object) -> None:
+    """Refuse a size that is not a positive ``int``, naming it: a float or 0 would fail far from its cause."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+def float_dtype(owner: str, dtype: object) -> torch.dtype:
+    """A floating-point torch dtype, from one or its name: an integer KV cache would make attention all zeros."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"{owner}: dtype {dtype!r} is not a torch dtype; use e.g. torch.float32 or 'bfloat16'")
+    if not resolved.is_floating_point:
+        raise ValueError(
+            f"{owner}: dtype {str(resolved).removeprefix('torch.')} is not a floating-point dtype; "
+            "attention and its KV cache need one (float32, bfloat16, float16)"
+        )
+    return resolved
 
 
 class KVPool:
     """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table.
 
-    Allocation is a FIFO free list so that the same sequence of calls always
-    yields the same slots: tests and benchmarks depend on reproducible layouts.
-    A fresh pool hands out ascending, contiguous runs, which lets backends use
-    zero-copy views instead of gathers.
+    Allocation is FIFO, so the same calls always yield the same slots (tests and benchmarks need reproducible
+    layouts), and a fresh pool hands out ascending runs, which backends read as zero-copy views.
     """
 
     def __init__(
@@ -47,54 +58,37 @@ class KVPool:
         *,
         max_requests: int,
         max_context_len: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_slots", num_slots),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("max_requests", max_requests),
-            ("max_context_len", max_context_len),
-        ):
-            if value <= 0:
-                raise ValueError(f"KVPool: {name} must be positive, got {value}")
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        self.dtype = dtype
+        for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim", "max_requests", "max_context_len"):
+            check_size("KVPool", name, getattr(self, name))
+        self.dtype = float_dtype("KVPool", dtype)
         self.device = torch.device(device)
         shape = (num_slots, num_kv_heads, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
-        # The allocator state lives on the CPU: it is bookkeeping, not data.
-        self._free_slots = torch.arange(num_slots, dtype=torch.int64)
-        self._slot_is_free = torch.ones(num_slots, dtype=torch.bool)
-        self._free_requests: collections.deque[int] = collections.deque(range(max_requests))
-        self._live_requests: set[int] = set()
-
-    # -- buffers -----------------------------------------------------------
+        self._free_slots = torch.arange(num_slots, dtype=torch.int64)  # on the CPU: bookkeeping, not data
+        self._free_requests: dict[int, None] = dict.fromkeys(range(max_requests))  # a FIFO set
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
-        """The K buffer of ``layer_id``, ``[num_slots, num_kv_heads, head_dim]``."""
         return self._k[self._check_layer(layer_id)]
 
     def v_buffer(self, layer_id: int) -> torch.Tensor:
-        """The V buffer of ``layer_id``, ``[num_slots, num_kv_heads, head_dim]``."""
         return self._v[self._check_layer(layer_id)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer.
 
-        Not ``buffer[loc] = k``: that is ``index_put_``, which on CPU opens an
-        OpenMP parallel region even for a handful of rows and, on cores shared
-        with other work, waits for descheduled threads (BENCHMARKS.md). Both
-        leave one unspecified winner for duplicate slots.
+        Not ``buffer[loc] = k`` (``index_put_``): on CPU that opens an OpenMP parallel region even for a few
+        rows, which on shared cores waits for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins.
         """
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
@@ -107,8 +101,6 @@ class KVPool:
             raise IndexError(f"KVPool: layer_id {layer_id} out of range [0, {self.num_layers})")
         return layer_id
 
-    # -- token slots -------------------------------------------------------
-
     @property
     def available_slots(self) -> int:
         return int(self._free_slots.numel())
@@ -119,31 +111,21 @@ class KVPool:
             raise ValueError(f"KVPool.alloc_slots: n must be >= 0, got {n}")
         if n > self.available_slots:
             raise KVPoolFullError(
-                f"KV pool is full: {n} token slots requested, {self.available_slots} of "
+                f"KV pool is full: the allocation needs {n} token slots, {self.available_slots} of "
                 f"{self.num_slots} free; free finished requests' slots or build a larger KVPool"
             )
         taken, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        self._slot_is_free[taken] = False
         return taken.to(self.device)
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """Return ``slots`` to the back of the free list; double frees are refused."""
         cpu = slots.detach().to("cpu", torch.int64).reshape(-1)
-        if cpu.numel() == 0:
-            return
-        if int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots:
+        if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots):
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
         ordered = cpu.sort().values
-        if bool(self._slot_is_free[cpu].any()) or bool((ordered[1:] == ordered[:-1]).any()):
+        if bool((ordered[1:] == ordered[:-1]).any()) or bool(torch.isin(cpu, self._free_slots).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
-        self._slot_is_free[cpu] = True
         self._free_slots = torch.cat([self._free_slots, cpu])
-
-    # -- request slots -----------------------------------------------------
-
-    @property
-    def available_requests(self) -> int:
-        return len(self._free_requests)
 
     def alloc_request(self) -> int:
         """Take the lowest-numbered free request slot that was freed earliest."""
@@ -152,30 +134,26 @@ class KVPool:
                 f"KV pool has no free request slot (max_requests={self.max_requests}); "
                 "free a finished request or build a larger KVPool"
             )
-        index = self._free_requests.popleft()
-        self._live_requests.add(index)
+        index = next(iter(self._free_requests))
+        del self._free_requests[index]
         return index
 
     def free_request(self, index: int) -> None:
         """Release a request slot; its token slots are the caller's to free (as in SGLang)."""
-        if index not in self._live_requests:
+        if not self.is_live_request(index):
             raise ValueError(f"KVPool.free_request: request slot {index} is not allocated")
-        self._live_requests.remove(index)
-        self._free_requests.append(index)
+        self._free_requests[index] = None
 
     def is_live_request(self, index: int) -> bool:
-        return index in self._live_requests
+        return 0 <= index < self.max_requests and index not in self._free_requests
 
 
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
     """One forward pass: which requests run, how many new tokens each brings, where they go.
 
-    ``prefix_lens`` is SGLang's ``extend_prefix_lens``: tokens already in the
-    cache before this forward.  ``seq_lens`` is the length *after* it.  The
-    ``*_cpu`` tuples mirror the tensors so backends can slice without a device
-    sync; ``batch_size``, ``num_new_tokens`` and ``extend_start_loc_cpu`` (the
-    offset of each request's first new token in ``q``) are derived.
+    ``prefix_lens`` (SGLang's ``extend_prefix_lens``) counts tokens cached before this forward, ``seq_lens``
+    after it; ``extend_start_loc_cpu`` is where each request's new tokens start in ``q``; mismatches are refused.
     """
 
     forward_mode: ForwardMode
@@ -193,25 +171,20 @@ class ForwardBatch:
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        batch_size = len(self.seq_lens_cpu)
+        b = len(self.seq_lens_cpu)
         starts = (0, *itertools.accumulate(self.extend_seq_lens_cpu))
-        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "batch_size", b)
         object.__setattr__(self, "num_new_tokens", starts[-1])
         object.__setattr__(self, "extend_start_loc_cpu", starts[:-1])
-        self._validate_shapes()
-
-    def _validate_shapes(self) -> None:
-        b = self.batch_size
         if len(self.prefix_lens_cpu) != b or len(self.extend_seq_lens_cpu) != b:
             raise ValueError("ForwardBatch: the *_cpu length tuples differ in batch size")
         for p, e, s in zip(self.prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu, strict=True):
             if p + e != s:
                 raise ValueError(f"ForwardBatch: prefix {p} + extend {e} != seq_len {s}")
-        for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens"):
-            if tuple(getattr(self, name).shape) != (b,):
-                raise ValueError(f"ForwardBatch: {name} must have shape ({b},)")
-        if tuple(self.out_cache_loc.shape) != (self.num_new_tokens,):
-            raise ValueError(f"ForwardBatch: out_cache_loc must have shape ({self.num_new_tokens},)")
+        for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens", "out_cache_loc"):
+            n = starts[-1] if name == "out_cache_loc" else b
+            if tuple(getattr(self, name).shape) != (n,):
+                raise ValueError(f"ForwardBatch: {name} must have shape ({n},)")
         if self.forward_mode is ForwardMode.IDLE and b:
             raise ValueError("ForwardBatch: an IDLE batch has no requests")
         if self.forward_mode is ForwardMode.DECODE and any(e != 1 for e in self.extend_seq_lens_cpu):
@@ -219,36 +192,51 @@ class ForwardBatch:
 
     @classmethod
     def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[RequestSpec]) -> ForwardBatch:
-        """Allocate slots for each request's new tokens, record them, and build the batch.
+        """Allocate and record each request's new slots, then build the batch.
 
-        Everything is validated before anything is allocated, so a rejected
-        batch leaves the pool untouched.
+        Everything is checked before anything is taken, so a refusal (naming the request) leaves the pool as it was.
         """
         specs = [tuple(int(x) for x in r) for r in requests]
-        _validate_requests(kv_pool, forward_mode, specs)
+        if forward_mode is ForwardMode.IDLE and specs:
+            raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")
+        if forward_mode is not ForwardMode.IDLE and not specs:
+            raise ValueError(f"ForwardBatch.prepare: a {forward_mode.name} batch needs requests; use IDLE")
+        seen: set[int] = set()
+        for spec in specs:
+            if len(spec) != 3:
+                raise ValueError(f"ForwardBatch.prepare: {spec} is not (req_pool_index, prefix_len, extend_len)")
+            req, prefix, extend = spec
+            where = f"ForwardBatch.prepare: request slot {req}"
+            if not 0 <= req < kv_pool.max_requests:
+                raise ValueError(f"{where} is out of range [0, {kv_pool.max_requests})")
+            if not kv_pool.is_live_request(req):
+                raise ValueError(f"{where} is not allocated; call kv_pool.alloc_request() first")
+            if req in seen:
+                raise ValueError(f"{where} appears twice in one batch")
+            seen.add(req)
+            if prefix < 0 or extend < 1:
+                raise ValueError(f"{where}: need prefix_len >= 0 and extend_len >= 1, got {prefix}, {extend}")
+            if forward_mode is ForwardMode.DECODE and extend != 1:
+                raise ValueError(f"{where}: DECODE takes exactly one new token, got extend_len={extend}")
+            if prefix + extend > kv_pool.max_context_len:
+                raise ValueError(
+                    f"{where}: prefix_len + extend_len = {prefix + extend} exceeds "
+                    f"max_context_len={kv_pool.max_context_len}"
+                )
         extend_lens = [e for _, _, e in specs]
-        out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))
+        out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
             kv_pool.req_to_token[req, prefix : prefix + extend] = loc
         return cls.from_lists(kv_pool, forward_mode, specs, out_cache_loc)
 
     @classmethod
     def from_lists(
-        cls,
-        kv_pool: KVCache,
-        forward_mode: ForwardMode,
-        requests: Sequence[Sequence[int]],
-        out_cache_loc: torch.Tensor,
+        cls, kv_pool: KVCache, forward_mode: ForwardMode, requests: Sequence[Sequence[int]], out_cache_loc: torch.Tensor
     ) -> ForwardBatch:
         """Build a batch whose slots are already allocated and recorded (no allocation here)."""
-        reqs = tuple(int(r[0]) for r in requests)
-        prefix = tuple(int(r[1]) for r in requests)
-        extend = tuple(int(r[2]) for r in requests)
+        reqs, prefix, extend = (tuple(int(r[i]) for r in requests) for i in range(3))
         seq = tuple(p + e for p, e in zip(prefix, extend, strict=True))
-
-        def as_tensor(values: tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=kv_pool.device)
-
+        as_tensor = functools.partial(torch.tensor, dtype=torch.int64, device=kv_pool.device)
         return cls(
             forward_mode=forward_mode,
             kv_pool=kv_pool,
@@ -260,42 +248,4 @@ class ForwardBatch:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=extend,
-        )
-
-
-def _validate_requests(kv_pool: KVPool, forward_mode: ForwardMode, specs: Sequence[tuple[int, ...]]) -> None:
-    """Reject a batch the backends could not run, with a message naming the request."""
-    if forward_mode is ForwardMode.IDLE:
-        if specs:
-            raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")
-        return
-    if not specs:
-        raise ValueError(f"ForwardBatch.prepare: a {forward_mode.name} batch needs requests; use IDLE")
-    seen: set[int] = set()
-    for spec in specs:
-        if len(spec) != 3:
-            raise ValueError(f"ForwardBatch.prepare: {spec} is not (req_pool_index, prefix_len, extend_len)")
-        req, prefix, extend = spec
-        where = f"ForwardBatch.prepare: request slot {req}"
-        if not 0 <= req < kv_pool.max_requests:
-            raise ValueError(f"{where} is out of range [0, {kv_pool.max_requests})")
-        if not kv_pool.is_live_request(req):
-            raise ValueError(f"{where} is not allocated; call kv_pool.alloc_request() first")
-        if req in seen:
-            raise ValueError(f"{where} appears twice in one batch")
-        seen.add(req)
-        if prefix < 0 or extend < 1:
-            raise ValueError(f"{where}: need prefix_len >= 0 and extend_len >= 1, got {prefix}, {extend}")
-        if forward_mode is ForwardMode.DECODE and extend != 1:
-            raise ValueError(f"{where}: DECODE takes exactly one new token, got extend_len={extend}")
-        if prefix + extend > kv_pool.max_context_len:
-            raise ValueError(
-                f"{where}: prefix_len + extend_len = {prefix + extend} exceeds "
-                f"max_context_len={kv_pool.max_context_len}"
-            )
-    needed = sum(spec[2] for spec in specs)
-    if needed > kv_pool.available_slots:
-        raise KVPoolFullError(
-            f"KV pool is full: the batch needs {needed} token slots, {kv_pool.available_slots} "
-            f"of {kv_pool.num_slots} free; free finished requests' slots or build a larger KVPool"
         )

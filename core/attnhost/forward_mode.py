@@ -1,14 +1,13 @@
-"""Forward modes and the one rule that maps a mode to the prefill or decode half.
-
-The rule lives here, once, because both the per-layer dispatch and the hybrid
-backend need it and must never disagree about which kernel a forward runs.
-"""
+"""Forward modes, and the one rule mapping a mode to the prefill or decode half, so dispatch and hybrid agree."""
 
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
-__all__ = ["ForwardMode", "uses_decode_backend"]
+__all__ = ["ForwardMode", "per_mode"]
+
+T = TypeVar("T")
 
 
 class ForwardMode(enum.IntEnum):
@@ -24,7 +23,7 @@ class ForwardMode(enum.IntEnum):
 
     def is_extend(self) -> bool:
         """True for every mode that runs ``forward_extend`` (new tokens attend causally)."""
-        return self in _EXTEND_MODES
+        return not self.is_decode_or_idle()
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
@@ -42,34 +41,19 @@ class ForwardMode(enum.IntEnum):
         return self is ForwardMode.TARGET_VERIFY
 
     def is_draft_extend(self, include_v2: bool = False) -> bool:
-        if include_v2:
-            return self is ForwardMode.DRAFT_EXTEND or self is ForwardMode.DRAFT_EXTEND_V2
-        return self is ForwardMode.DRAFT_EXTEND
+        return self is ForwardMode.DRAFT_EXTEND or (include_v2 and self is ForwardMode.DRAFT_EXTEND_V2)
 
     def is_draft_extend_v2(self) -> bool:
         return self is ForwardMode.DRAFT_EXTEND_V2
 
 
-_EXTEND_MODES = frozenset(
-    {
-        ForwardMode.EXTEND,
-        ForwardMode.MIXED,
-        ForwardMode.TARGET_VERIFY,
-        ForwardMode.DRAFT_EXTEND,
-        ForwardMode.DRAFT_EXTEND_V2,
-    }
-)
+def per_mode(prefill: T, decode: T, speculative_attention_mode: str) -> tuple[T, ...]:
+    """``prefill`` or ``decode`` for every forward mode, by ``int(mode)``: SGLang's ``dispatch_attn_forward_method``.
 
-
-def uses_decode_backend(mode: ForwardMode, speculative_attention_mode: str) -> bool:
-    """Whether ``mode`` runs on the decode half of a prefill/decode split.
-
-    Exactly SGLang's ``dispatch_attn_forward_method``: decode and idle use the
-    decode backend; target-verify and draft-extend-v2 use it only when
-    ``speculative_attention_mode == "decode"``; everything else uses prefill.
+    Decode and idle use decode, and so do target-verify and draft-extend-v2 when ``speculative_attention_mode``
+    is ``"decode"``; everything else uses prefill.
     """
-    if mode.is_decode_or_idle():
-        return True
-    if mode.is_target_verify() or mode.is_draft_extend_v2():
-        return speculative_attention_mode == "decode"
-    return False
+    on_decode = {ForwardMode.DECODE, ForwardMode.IDLE}
+    if speculative_attention_mode == "decode":
+        on_decode |= {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}
+    return tuple(decode if mode in on_decode else prefill for mode in ForwardMode)

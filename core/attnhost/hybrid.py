@@ -1,9 +1,6 @@
-"""A target backend made of two: one for prefill-like forwards, one for decode-like ones.
+"""A target backend made of two, for when the prefill and decode attention backends differ.
 
-Used when ``--prefill-attention-backend`` and ``--decode-attention-backend``
-differ. It routes with the same rule as per-layer dispatch
-(:func:`attnhost.forward_mode.uses_decode_backend`), so the kernel that runs
-is always the one dispatch reports.
+It routes by :func:`attnhost.forward_mode.per_mode`, as dispatch does, so the kernel that runs is the one reported.
 """
 
 from __future__ import annotations
@@ -11,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from attnhost.backend import AttentionBackend, AttentionLayer
-from attnhost.forward_mode import ForwardMode, uses_decode_backend
+from attnhost.forward_mode import per_mode
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -30,16 +27,12 @@ class HybridAttnBackend(AttentionBackend):
         super().__init__()
         self.prefill_backend = prefill_backend
         self.decode_backend = decode_backend
-        self._by_mode = tuple(
-            decode_backend if uses_decode_backend(mode, speculative_attention_mode) else prefill_backend
-            for mode in ForwardMode
-        )
+        self._by_mode = per_mode(prefill_backend, decode_backend, speculative_attention_mode)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._by_mode[forward_batch.forward_mode].init_forward_metadata(forward_batch)
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        # The sub-backend's own forward() picks its decode or extend method for the batch's mode,
-        # so one routing method serves both (the base's forward_decode lands here too).
+        # The sub-backend's forward() picks its decode or extend method, so this serves both (forward_decode too).
         return self._by_mode[forward_batch.forward_mode].forward(q, k, v, layer, forward_batch, save_kv_cache)

@@ -1,36 +1,30 @@
 """``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
 
-Each runner resolves its backend names from the immutable args, builds its
-backend through the registry, stamps the names on that backend instance, and
-offers a forward context for its forwards. It never writes to the args, to a
-module global, or to another runner — the isolation SGLang #28559 had to
-retrofit holds here by construction.
+A runner builds its own backend, stamps its backend names on that instance and enters its own forward context;
+it never writes to the args, a module global or another runner, so the isolation SGLang #28559 had to retrofit
+holds by construction.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from attnhost import resolution
 from attnhost.availability import check_availability
 from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
-from attnhost.context import ForwardContext, dispatch_table
+from attnhost.context import ForwardContext
 from attnhost.errors import BackendUnavailableError, describe_exception, printable_record
-from attnhost.forward_batch import ForwardBatch, KVPool
-from attnhost.forward_mode import ForwardMode
+from attnhost.forward_batch import ForwardBatch, KVPool, check_size, float_dtype
+from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
 from attnhost.platform import current_platform
-from attnhost.resolution import (
-    DraftResolution,
-    TargetResolution,
-    resolve_attention_backends,
-    resolve_draft_attention_backend,
-)
 from attnhost.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -42,35 +36,12 @@ logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
 
 _SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "max_requests", "max_context_len")
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"ModelRunner: {name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _float_dtype(dtype: object) -> torch.dtype:
-    """The runner's dtype: a floating-point torch dtype (an integer KV cache would make attention all zeros)."""
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"ModelRunner: dtype {dtype!r} is not a torch dtype; use e.g. torch.float32 or 'bfloat16'")
-    if not resolved.is_floating_point:
-        raise ValueError(
-            f"ModelRunner: dtype {str(resolved).removeprefix('torch.')} is not a floating-point dtype; "
-            "attention and its KV cache need one (float32, bfloat16, float16)"
-        )
-    return resolved
+# per_mode for backend names, remembered: every forward enters a context, and per_mode takes microseconds.
+_dispatch_names: Callable[[str, str, str], tuple[str, ...]] = functools.lru_cache(maxsize=256)(per_mode)
 
 
 class ModelRunner:
-    """A target or draft model runner: shape, KV cache, and an isolated attention backend.
-
-    Everything but ``args`` has a default that fits a CPU test or demo; a
-    real engine passes its model's shape. ``platform`` overrides detection
-    (as ``--platform`` does), which matters only for resolution and the
-    availability check.
-    """
+    """A target or draft model runner: shape, KV cache, and an isolated attention backend."""
 
     def __init__(
         self,
@@ -86,13 +57,13 @@ class ModelRunner:
         num_slots: int | None = None,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
-        platform: str | None = None,
+        platform: str | None = None,  # overrides detection, as --platform does
     ) -> None:
         if not isinstance(args, ServerArgs):
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
         sizes = (num_layers, num_heads, num_kv_heads, head_dim, max_requests, max_context_len)
         for name, value in zip(_SIZES, sizes, strict=True):
-            _check_size(name, value)
+            check_size("ModelRunner", name, value)
         if num_slots is None:
             num_slots = max_requests * max_context_len // 4
             if num_slots == 0:
@@ -100,11 +71,12 @@ class ModelRunner:
                     f"ModelRunner: max_requests={max_requests} and max_context_len={max_context_len} leave no "
                     "KV slots (the default num_slots is max_requests * max_context_len // 4); pass num_slots"
                 )
-        _check_size("num_slots", num_slots)
+        check_size("ModelRunner", "num_slots", num_slots)
         self.args = args
         self.is_draft = is_draft
+        self.role = "draft" if is_draft else "target"
         self.platform = current_platform(platform)
-        self.dtype = _float_dtype(dtype)
+        self.dtype = float_dtype("ModelRunner", dtype)
         self.device = torch.device(device)
         self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
         self.kv_pool = KVPool(
@@ -117,28 +89,28 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        self.resolution: TargetResolution | DraftResolution
+        self.resolution: resolution.TargetResolution | resolution.DraftResolution
         if is_draft:
-            self.resolution = resolve_draft_attention_backend(args, self.platform)
+            self.resolution = resolution.resolve_draft_attention_backend(args, self.platform)
+            if self.resolution.problem is not None:
+                # Said before the generic "unavailable": the user may never have named this backend (a fallback).
+                raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
             prefill = decode = self.resolution.name
         else:
-            self.resolution = resolve_attention_backends(args, self.platform)
+            self.resolution = resolution.resolve_attention_backends(args, self.platform)
             prefill, decode = self.resolution.prefill, self.resolution.decode
-        self.prefill_attention_backend_str = prefill
-        self.decode_attention_backend_str = decode
-        if isinstance(self.resolution, DraftResolution) and self.resolution.problem is not None:
-            # Said before the generic "unavailable": the user may never have named this backend (a fallback).
-            raise BackendUnavailableError(f"draft runner: {self.resolution.problem}")
-        self.attn_backend = self._build_backend(prefill, decode)
-        self._log_choice(prefill, decode)
-        self.attn_backend.prefill_attention_backend_str = prefill
-        self.attn_backend.decode_attention_backend_str = decode
-        self._stamps: tuple[str | None, str | None] = (prefill, decode)
-        self._context = ForwardContext(self.attn_backend, self._dispatch_names())
-
-    @property
-    def role(self) -> str:
-        return "draft" if self.is_draft else "target"
+        label = get_registry().entry
+        backend = self._build_one(prefill)
+        built = f"{prefill!r} from {label(prefill).label}"
+        if prefill != decode:
+            backend = HybridAttnBackend(backend, self._build_one(decode), args.speculative_attention_mode)
+            built = f"prefill {built}, decode {decode!r} from {label(decode).label}"
+        self.attn_backend = backend
+        self.prefill_attention_backend_str = backend.prefill_attention_backend_str = prefill
+        self.decode_attention_backend_str = backend.decode_attention_backend_str = decode
+        logger.info(
+            "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
+        )
 
     def __repr__(self) -> str:
         return (
@@ -146,17 +118,8 @@ class ModelRunner:
             f"decode={self.decode_attention_backend_str!r} on {self.platform}>"
         )
 
-    def _build_backend(self, prefill: str, decode: str) -> AttentionBackend:
-        if prefill == decode:
-            return self._build_one(prefill)
-        hybrid = HybridAttnBackend(
-            self._build_one(prefill), self._build_one(decode), self.args.speculative_attention_mode
-        )
-        for sub, name in ((hybrid.prefill_backend, prefill), (hybrid.decode_backend, decode)):
-            sub.prefill_attention_backend_str = sub.decode_attention_backend_str = name
-        return hybrid
-
     def _build_one(self, name: str) -> AttentionBackend:
+        """Build and stamp backend ``name``; every refusal names the runner, the backend and its plugin."""
         entry = get_registry().entry(name)
         where = f"{self.role} runner: attention backend {name!r} from {entry.label}"
         availability = check_availability(entry, self.platform)
@@ -165,54 +128,29 @@ class ModelRunner:
                 f"{where} is unavailable: {availability.reason}; choose another backend (see `attnhost list`)"
             )
         fix = f"fix or reinstall {entry.distribution}" if entry.distribution else "fix the plugin"
+        way_out = f"{fix}, or choose another backend"
         try:
             with plugin_output():  # importing plugin code: stdout is not its to write
                 factory = entry.spec.load()
         except (Exception, SystemExit) as exc:
-            raise BackendUnavailableError(
-                f"{where} could not be loaded: {describe_exception(exc)}; {fix}, or choose another backend"
-            ) from exc
+            raise BackendUnavailableError(f"{where} could not be loaded: {describe_exception(exc)}; {way_out}") from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
-        return build_backend(factory, self, where=where, way_out=f"{fix}, or choose another backend", owner=owner)
+        backend = build_backend(factory, self, where=where, way_out=way_out, owner=owner)
+        backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
+        return backend
 
-    def _log_choice(self, prefill: str, decode: str) -> None:
-        """One INFO line: which backend this runner built, from which plugin and distribution, and why."""
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        registry = get_registry()
-        if prefill == decode:
-            built = f"{prefill!r} from {registry.entry(prefill).label}"
-        else:
-            built = (
-                f"prefill {prefill!r} from {registry.entry(prefill).label}, "
-                f"decode {decode!r} from {registry.entry(decode).label}"
-            )
-        logger.info(
-            "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
-        )
-
-    def _dispatch_names(self) -> tuple[str, ...]:
+    def forward_context(self) -> AbstractContextManager[AttentionBackend]:
+        """Make this runner's backend current in the ``with``; dispatch reads its stamps (else the args'), as SGLang."""
+        backend = self.attn_backend
         default_prefill, default_decode = self.args.get_attention_backends()
-        prefill = self.attn_backend.prefill_attention_backend_str or default_prefill
-        decode = self.attn_backend.decode_attention_backend_str or default_decode
+        prefill = backend.prefill_attention_backend_str or default_prefill
+        decode = backend.decode_attention_backend_str or default_decode
         if prefill is None or decode is None:
             raise BackendUnavailableError(
                 f"{self.role} runner: its backend carries no backend names and the args name none"
             )
-        return dispatch_table(prefill, decode, self.args.speculative_attention_mode)
-
-    def forward_context(self) -> AbstractContextManager[AttentionBackend]:
-        """Make this runner's backend the current one for the forwards inside the ``with`` block."""
-        backend = self.attn_backend
-        context = self._context
-        stamps = (backend.prefill_attention_backend_str, backend.decode_attention_backend_str)
-        if stamps != self._stamps:
-            # The stamps changed since the last forward: honour them, as SGLang reads them per forward.
-            self._stamps = stamps
-            context = self._context = ForwardContext(backend, self._dispatch_names())
-        return context.activate()
-
-    # -- convenience for models and tests ------------------------------------------
+        names = _dispatch_names(prefill, decode, self.args.speculative_attention_mode)
+        return ForwardContext(backend, names).activate()
 
     def new_request(self) -> int:
         """Allocate a request slot in this runner's KV cache."""
