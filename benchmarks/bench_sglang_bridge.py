@@ -89,6 +89,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases and rounds")
     parser.add_argument("--layout", choices=("shuffled_pages", "contiguous", "both"), default="both")
+    parser.add_argument("--only", default="", help="run only the cases whose label contains this text")
+    parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 5 with --quick, else 9)")
     options = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
 
@@ -103,7 +105,7 @@ def main() -> int:
     )
 
     layouts = ("shuffled_pages", "contiguous") if options.layout == "both" else (options.layout,)
-    rounds = 5 if options.quick else 9
+    rounds = options.rounds or (5 if options.quick else 9)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; heads {HEADS}/{KV_HEADS}, dim {HEAD_DIM}")
     print(
         f"{'case':<34} {'layout':<15} {'sglang':>10} {'bridge':>10} {'direct':>10} {'speed-up':>9} {'overhead':>9}"
@@ -112,6 +114,8 @@ def main() -> int:
     worst_overhead, worst = 0.0, {"decode": float("inf"), "extend": float("inf")}
     for layout in layouts:
         for label, mode, prefix, extend in _cases(options.quick):
+            if options.only not in label:
+                continue
             case = DenseAttentionCase(
                 name=label,
                 backend="torch_native",
