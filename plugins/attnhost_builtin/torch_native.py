@@ -1,12 +1,13 @@
 """SGLang's ``torch_native`` backend: causal attention with PyTorch's SDPA over the KV cache.
 
 Per-batch work (``init_forward_metadata``) decides, once, how each request's
-keys are read and which mask it needs; per-layer work is then one SDPA call
-per request plus the cache write.  Two measured choices shape the code:
+keys are read and which mask it needs; per-layer work is then the cache write
+and SDPA calls: one per decode chunk, one per extend request.  Three measured
+choices shape the code:
 
-* The cache is token-major (``[slot, kv_head, dim]``).  A request whose slots
-  form one ascending run is read through a zero-copy view; only fragmented
-  requests pay for a gather.
+* The cache is token-major (``[slot, kv_head, dim]``).  An extending request
+  whose slots form one ascending run is read through a zero-copy view; only
+  fragmented requests pay for a gather.
 * Decode batches are attended in chunks, not request by request: each
   chunk's key rows are gathered with one ``index_select`` (requests sorted
   by length and padded, the padding masked) and attended with one batched
@@ -18,9 +19,9 @@ per request plus the cache write.  Two measured choices shape the code:
   the query-length axis (``[kv_heads, group * tokens, dim]``), so SDPA sees a
   plain multi-head problem.  On CPU ``enable_gqa=True`` falls back to a slow
   path for few queries, so folding wins for decode and short extends and
-  never loses for long ones (BENCHMARKS.md).  The one
-  exception is a long prefill without prefix: there ``is_causal=True`` avoids
-  materialising a ``group * tokens * tokens`` mask at the same speed.
+  never loses for long ones (BENCHMARKS.md).  The one exception is a long
+  prefill without prefix: there ``is_causal=True`` avoids materialising a
+  ``group * tokens * tokens`` mask at the same speed.
 """
 
 from __future__ import annotations

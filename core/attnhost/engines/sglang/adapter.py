@@ -302,8 +302,9 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             raise self._refuse(f"the extra attention arguments {extra} (layer {layer.layer_id})")
         attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer)
         q3 = q.view(-1, attnhost_layer.num_heads, attnhost_layer.head_dim)
-        if q3.shape[0] != batch.num_new_tokens:
-            raise self._refuse(f"padded batches ({q3.shape[0]} query rows for {batch.num_new_tokens} tokens)")
+        tokens = len(q3)
+        if tokens != batch.num_new_tokens:
+            raise self._refuse(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
         if save_kv_cache and (k is None or v is None):
             raise RuntimeError(f"{self._where}: save_kv_cache=True but SGLang passed no K/V for layer {layer.layer_id}")
         if k is not None and k.dim() != 3:  # RadixAttention already hands [tokens, kv_heads, head_dim]
@@ -311,7 +312,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if v is not None and v.dim() != 3:
             v = v.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
         out: Tensor = getattr(self.attnhost_backend, method)(q3, k, v, attnhost_layer, batch, save_kv_cache)
-        return out.reshape(q3.shape[0], -1)
+        return out.reshape(tokens, -1)
 
     # -- what SGLang may ask and an attnhost backend cannot give -----------------------
 
