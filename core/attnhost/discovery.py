@@ -16,8 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -37,18 +36,8 @@ from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
-__all__ = [
-    "BUILTIN_MODULE",
-    "BUILTIN_PLUGIN",
-    "ENTRY_POINT_GROUP",
-    "SLOW_IMPORT_WARNING_S",
-    "GuardedPluginManager",
-    "PluginInfo",
-    "PluginStatus",
-    "load_entry_points",
-    "register_checked",
-    "way_out",
-]
+__all__ = ["BUILTIN_MODULE", "BUILTIN_PLUGIN", "ENTRY_POINT_GROUP", "SLOW_IMPORT_WARNING_S", "GuardedPluginManager"]
+__all__ += ["PluginInfo", "PluginStatus", "load_entry_points", "register_checked", "way_out"]
 
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
@@ -90,7 +79,6 @@ class PluginInfo:
     backends: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     builtin: bool = False
-    location: str | None = None
 
     @property
     def origin(self) -> str:
@@ -98,9 +86,7 @@ class PluginInfo:
         return plugin_label(self.name, self.distribution, self.version)
 
     def to_json(self) -> dict[str, Any]:
-        """What ``--json`` shows: every field but the path entry it was found on."""
-        out = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "location"}
-        return out | {"status": self.status.value, "backends": list(self.backends), "warnings": list(self.warnings)}
+        return asdict(self)  # json writes the status as its value and the tuples as lists
 
 
 class ShorthandPlugin:
@@ -124,7 +110,7 @@ class ShorthandPlugin:
 class GuardedPluginManager(pluggy.PluginManager):
     """A pluggy manager whose every change to the plugin set goes through the host's guard (refused once frozen)."""
 
-    def __init__(self, guard: Callable[[str], AbstractContextManager[object]]) -> None:
+    def __init__(self, guard: Callable[[str], contextlib.AbstractContextManager[object]]) -> None:
         super().__init__(PROJECT_NAME)
         self._guard = guard
         self.add_hookspecs(AttnhostHookSpecs)
@@ -168,8 +154,7 @@ def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
-        if pm.has_plugin(name):
-            pm.unregister(name=name)
+        pm.unregister(name=name)  # pluggy has registered the name before it validated the hooks
         # pluggy's message spans lines ("Plugin X for hook Y", the definition, the cause): keep all, on one line.
         detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         raise PluginProblem(f"has an invalid hook implementation: {detail}") from None
@@ -238,11 +223,10 @@ def _installed_this_attnhost(source: str) -> bool:
     try:
         data = json.loads(direct)
         url = urlsplit(data["url"])
-        editable = bool(data.get("dir_info", {}).get("editable"))
         tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
+        return bool(data["dir_info"]["editable"]) and url.scheme == "file" and here.startswith(tree)
     except (ValueError, KeyError, TypeError, AttributeError):
         return False
-    return editable and url.scheme == "file" and here.startswith(tree)
 
 
 def is_own_declaration(record: EntryPointRecord) -> bool:
@@ -252,8 +236,9 @@ def is_own_declaration(record: EntryPointRecord) -> bool:
 
 
 def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
-    provenance = (record.name, record.distribution, record.version, record.value)
-    return PluginInfo(*provenance, PluginStatus.LOADED, builtin=builtin, location=record.location)
+    return PluginInfo(
+        record.name, record.distribution, record.version, record.value, PluginStatus.LOADED, builtin=builtin
+    )
 
 
 def _fail(info: PluginInfo, cause: str) -> PluginInfo:
@@ -283,15 +268,12 @@ def load_entry_points(
     """
     own = next((record for record in records if is_own_declaration(record)), None)
     if own is None:  # discovery did not return it: the same declaration, made directly
-        location = os.path.dirname(os.path.dirname(os.path.abspath(_PACKAGE.__file__)))
-        own = EntryPointRecord(
-            BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, location
-        )
+        own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]
     # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
     # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
-    others = [r for r in records if r is not own and (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
+    others = [r for r in records if (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
     for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
         info = _info(record)
         if record.name in taken:
@@ -299,11 +281,8 @@ def load_entry_points(
             holder = "attnhost's built-in plugin" if owner.builtin else f"distribution {owner.distribution}"
             error = f"plugin name {record.name!r} is already taken by {holder}"
             info = replace(info, status=PluginStatus.DUPLICATE, error=error)
-            logger.warning(
-                "%s was not loaded: %s; rename one of the entry points or uninstall one distribution",
-                info.origin,
-                error,
-            )
+            fix = "rename one of the entry points or uninstall one distribution"
+            logger.warning("%s was not loaded: %s; %s", info.origin, error, fix)
         elif not settings.autoload:
             info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
         elif settings.allow is not None and record.name not in settings.allow:
@@ -388,7 +367,6 @@ def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginIn
     except (PluginProblem, ValueError) as exc:  # ValueError: an invalid shorthand name, or a duplicate object
         return _fail(info, str(exc))
     except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it
-        if pm.has_plugin(record.name):
-            pm.unregister(name=record.name)
+        pm.unregister(name=record.name)  # a no-op unless pluggy had registered it
         return _fail(info, f"registering its entry point object raised {describe_exception(exc)}")
     return info
