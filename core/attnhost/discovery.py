@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import inspect
 import logging
 import os
@@ -191,50 +190,6 @@ def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
         )
 
 
-def _read(source: str, name: str) -> str:
-    try:
-        with open(os.path.join(source, name), encoding="utf-8") as handle:
-            return handle.read(1 << 20)
-    except (OSError, ValueError):
-        return ""
-
-
-@functools.cache
-def _installed_this_attnhost(source: str) -> bool:
-    """Whether the metadata directory *source* is the one that installed the ``attnhost`` imported here.
-
-    Where, not what (any distribution can claim the name ``attnhost``): a wheel's ``RECORD`` or a
-    develop egg-info's ``SOURCES.txt`` lists the very ``attnhost/__init__.py`` imported here, or an
-    editable install's ``direct_url.json`` names the source tree it is imported from.
-    """
-    here = os.path.realpath(_PACKAGE.__file__)
-    site = os.path.dirname(os.path.abspath(source))
-    for line in (_read(source, "RECORD") + _read(source, "SOURCES.txt")).splitlines():
-        listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
-        ours = listed.replace("\\", "/").endswith("attnhost/__init__.py")
-        if ours and os.path.realpath(os.path.join(site, listed)) == here:
-            return True
-    direct = _read(source, "direct_url.json")
-    if '"editable"' not in direct:
-        return False
-    import json
-    from urllib.parse import unquote, urlsplit
-
-    try:
-        data = json.loads(direct)
-        url = urlsplit(data["url"])
-        tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
-        return bool(data["dir_info"]["editable"]) and url.scheme == "file" and here.startswith(tree)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def is_own_declaration(record: EntryPointRecord) -> bool:
-    """Whether *record* is attnhost's own entry point for its built-in plugin (decided by where it is installed)."""
-    own = (record.name, record.value) == (BUILTIN_PLUGIN, BUILTIN_MODULE)
-    return own and bool(record.source) and _installed_this_attnhost(record.source)
-
-
 def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
     return PluginInfo(
         record.name, record.distribution, record.version, record.value, PluginStatus.LOADED, builtin=builtin
@@ -261,18 +216,16 @@ def load_entry_points(
 ) -> list[PluginInfo]:
     """Register the built-in, then import and register the entry points the settings allow.
 
-    The built-in is attnhost's own code: registered directly, first, under every setting, its
-    provenance from its own entry point (:func:`is_own_declaration`). Any other entry point, whatever
-    distribution it claims, is a third-party plugin under the settings, and one named ``builtin`` is a
-    collision. Returns every plugin found, in registration order. Never raises for a plugin's fault.
+    The built-in is attnhost's own code: registered directly, first, under every setting, with the
+    provenance of the attnhost imported here; no metadata stands for it, whatever name it claims. An entry
+    point naming its very module (attnhost's own, a stale egg-info in a checkout, a second install of
+    attnhost's metadata) is that same declaration: nothing to load or report. Any other entry point is a
+    third-party plugin under the settings, and one named ``builtin`` is a collision. Returns every plugin
+    found, in registration order. Never raises for a plugin's fault.
     """
-    own = next((record for record in records if is_own_declaration(record)), None)
-    if own is None:  # discovery did not return it: the same declaration, made directly
-        own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
+    own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]
-    # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
-    # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
     others = [r for r in records if (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
     for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
         info = _info(record)
