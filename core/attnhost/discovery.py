@@ -57,12 +57,9 @@ class PluginStatus(enum.StrEnum):
 
     LOADED = "loaded"
     FAILED = "failed"
-    BLOCKED = "blocked"
-    """Not imported: ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD`` is set."""
-    NOT_ALLOWED = "not-allowed"
-    """Not imported: ``ATTNHOST_PLUGINS`` does not name it."""
-    DUPLICATE = "duplicate"
-    """Not imported: another distribution's entry point already has this plugin name."""
+    BLOCKED = "blocked"  # not imported: ATTNHOST_DISABLE_PLUGIN_AUTOLOAD is set
+    NOT_ALLOWED = "not-allowed"  # not imported: ATTNHOST_PLUGINS does not name it
+    DUPLICATE = "duplicate"  # not imported: another distribution's entry point already has this plugin name
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +132,8 @@ class GuardedPluginManager(pluggy.PluginManager):
 
 
 def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
-    """Register ``obj`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
+    """Register ``obj`` (a backend class as a :class:`ShorthandPlugin`) or raise :class:`PluginProblem`, pm untouched.
 
-    An ``AttentionBackend`` subclass becomes a :class:`ShorthandPlugin`; anything else is the plugin.
     Besides pluggy's signature checks, it rejects per plugin what ``check_pending`` would only catch
     globally (unknown hook names: typos), hook wrappers, and objects that implement no hook at all.
     """

@@ -87,8 +87,7 @@ class PluginHost:
         if self._pm is not None:
             return self._pm
         with self._lock:
-            # A plugin being imported that calls back into attnhost (SGLang-style add_*_choices at import
-            # time) gets the manager being filled, never a second load.
+            # a plugin's import-time code calling back (SGLang-style add_*_choices) gets the manager being filled
             if (pm := self._pm or self._loading) is not None:
                 return pm
             pm = self._loading = GuardedPluginManager(self._change)
