@@ -246,33 +246,30 @@ def test_an_impostor_named_attnhost_is_under_the_controls(tmp_path: Path, env: d
     assert not marker.exists()
 
 
-def test_the_builtins_own_entry_point_is_recognised_by_where_attnhost_is_installed(tmp_path: Path) -> None:
-    """RECORD (wheel) or direct_url.json (editable) must point at the attnhost imported here; a name proves nothing."""
-    import os
+def test_no_metadata_stands_for_the_builtin(tmp_path: Path) -> None:
+    """Copies of the built-in's declaration (attnhost's own, a RECORD listing another file, an editable install of
+    another tree) add nothing and change none of its provenance; its name for another module is a collision."""
+    import contextlib
 
-    from attnhost.discovery import BUILTIN_MODULE, BUILTIN_PLUGIN, is_own_declaration
-    from attnhost.entry_points import EntryPointRecord
+    from attnhost.discovery import BUILTIN_MODULE, BUILTIN_PLUGIN, GuardedPluginManager, load_entry_points
+    from attnhost.entry_points import EntryPointRecord, scan
+    from attnhost.settings import LoadSettings
 
-    site = os.path.dirname(os.path.dirname(os.path.abspath(attnhost.__file__)))
-    installed = os.path.join(site, f"attnhost-{attnhost.__version__}.dist-info")
-    if not os.path.isdir(installed):
-        pytest.skip("attnhost is not installed as a wheel here (run through tox)")
-
-    def record(source: str, value: str = BUILTIN_MODULE) -> EntryPointRecord:
-        return EntryPointRecord(BUILTIN_PLUGIN, value, GROUP, "attnhost", attnhost.__version__, site, source)
-
-    assert is_own_declaration(record(installed))
-    assert not is_own_declaration(record(installed, value="evil_builtin"))  # its own dir, another module
-
-    copy = make_dist(tmp_path / "copy", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    copy = make_dist(tmp_path / "copy", "attnhost", "9.9", {GROUP: {"builtin": BUILTIN_MODULE}})
     (copy / "RECORD").write_text("attnhost/__init__.py,sha256=x,1\n")  # lists a file, but not *this* one
-    assert not is_own_declaration(record(str(copy)))
-
-    editable = make_dist(tmp_path / "editable", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
-    (editable / "direct_url.json").write_text(json.dumps({"url": Path(site).as_uri(), "dir_info": {"editable": True}}))
-    assert is_own_declaration(record(str(editable)))
-    elsewhere = make_dist(tmp_path / "other", "attnhost", attnhost.__version__, {GROUP: {"builtin": BUILTIN_MODULE}})
+    elsewhere = make_dist(tmp_path / "other", "attnhost", "9.9", {GROUP: {"builtin": BUILTIN_MODULE}})
     (elsewhere / "direct_url.json").write_text(
         json.dumps({"url": (tmp_path / "src").as_uri(), "dir_info": {"editable": True}})
     )
-    assert not is_own_declaration(record(str(elsewhere)))
+
+    def record(source: Path, value: str = BUILTIN_MODULE) -> EntryPointRecord:
+        return EntryPointRecord(BUILTIN_PLUGIN, value, GROUP, "attnhost", "9.9", str(source.parent), str(source))
+
+    records = [*scan(GROUP, use_cache=False), record(copy), record(elsewhere), record(copy, value="evil_builtin")]
+    pm = GuardedPluginManager(lambda what: contextlib.nullcontext())
+    plugins = load_entry_points(pm, records, LoadSettings(allow=None, autoload=False, strict=False))
+    rows = [(p.name, p.distribution, p.version, p.value, p.status.value, p.builtin) for p in plugins]
+    assert rows[0] == ("builtin", "attnhost", attnhost.__version__, BUILTIN_MODULE, "loaded", True)
+    assert [row for row in rows[1:] if row[0] == "builtin"] == [
+        ("builtin", "attnhost", "9.9", "evil_builtin", "duplicate", False)
+    ]

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import inspect
 import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -37,18 +35,8 @@ from attnhost.hooks import HOOK_NAMES, PROJECT_NAME, AttnhostHookSpecs, hookimpl
 from attnhost.settings import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, LoadSettings
 from attnhost.spec import BackendSpec, check_backend_name
 
-__all__ = [
-    "BUILTIN_MODULE",
-    "BUILTIN_PLUGIN",
-    "ENTRY_POINT_GROUP",
-    "SLOW_IMPORT_WARNING_S",
-    "GuardedPluginManager",
-    "PluginInfo",
-    "PluginStatus",
-    "load_entry_points",
-    "register_checked",
-    "way_out",
-]
+__all__ = ["BUILTIN_MODULE", "BUILTIN_PLUGIN", "ENTRY_POINT_GROUP", "SLOW_IMPORT_WARNING_S", "GuardedPluginManager"]
+__all__ += ["PluginInfo", "PluginStatus", "load_entry_points", "register_checked", "way_out"]
 
 if TYPE_CHECKING:
     from attnhost.backend import AttentionBackend
@@ -69,12 +57,9 @@ class PluginStatus(enum.StrEnum):
 
     LOADED = "loaded"
     FAILED = "failed"
-    BLOCKED = "blocked"
-    """Not imported: ``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD`` is set."""
-    NOT_ALLOWED = "not-allowed"
-    """Not imported: ``ATTNHOST_PLUGINS`` does not name it."""
-    DUPLICATE = "duplicate"
-    """Not imported: another distribution's entry point already has this plugin name."""
+    BLOCKED = "blocked"  # not imported: ATTNHOST_DISABLE_PLUGIN_AUTOLOAD is set
+    NOT_ALLOWED = "not-allowed"  # not imported: ATTNHOST_PLUGINS does not name it
+    DUPLICATE = "duplicate"  # not imported: another distribution's entry point already has this plugin name
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +75,6 @@ class PluginInfo:
     backends: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     builtin: bool = False
-    location: str | None = None
 
     @property
     def origin(self) -> str:
@@ -98,9 +82,7 @@ class PluginInfo:
         return plugin_label(self.name, self.distribution, self.version)
 
     def to_json(self) -> dict[str, Any]:
-        """What ``--json`` shows: every field but the path entry it was found on."""
-        out = {field.name: getattr(self, field.name) for field in fields(self) if field.name != "location"}
-        return out | {"status": self.status.value, "backends": list(self.backends), "warnings": list(self.warnings)}
+        return asdict(self)  # json writes the status as its value and the tuples as lists
 
 
 class ShorthandPlugin:
@@ -124,7 +106,7 @@ class ShorthandPlugin:
 class GuardedPluginManager(pluggy.PluginManager):
     """A pluggy manager whose every change to the plugin set goes through the host's guard (refused once frozen)."""
 
-    def __init__(self, guard: Callable[[str], AbstractContextManager[object]]) -> None:
+    def __init__(self, guard: Callable[[str], contextlib.AbstractContextManager[object]]) -> None:
         super().__init__(PROJECT_NAME)
         self._guard = guard
         self.add_hookspecs(AttnhostHookSpecs)
@@ -150,9 +132,8 @@ class GuardedPluginManager(pluggy.PluginManager):
 
 
 def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
-    """Register ``obj`` under ``name`` or raise :class:`PluginProblem`, leaving ``pm`` untouched.
+    """Register ``obj`` (a backend class as a :class:`ShorthandPlugin`) or raise :class:`PluginProblem`, pm untouched.
 
-    An ``AttentionBackend`` subclass becomes a :class:`ShorthandPlugin`; anything else is the plugin.
     Besides pluggy's signature checks, it rejects per plugin what ``check_pending`` would only catch
     globally (unknown hook names: typos), hook wrappers, and objects that implement no hook at all.
     """
@@ -168,8 +149,7 @@ def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
-        if pm.has_plugin(name):
-            pm.unregister(name=name)
+        pm.unregister(name=name)  # pluggy has registered the name before it validated the hooks
         # pluggy's message spans lines ("Plugin X for hook Y", the definition, the cause): keep all, on one line.
         detail = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         raise PluginProblem(f"has an invalid hook implementation: {detail}") from None
@@ -206,54 +186,10 @@ def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
         )
 
 
-def _read(source: str, name: str) -> str:
-    try:
-        with open(os.path.join(source, name), encoding="utf-8") as handle:
-            return handle.read(1 << 20)
-    except (OSError, ValueError):
-        return ""
-
-
-@functools.cache
-def _installed_this_attnhost(source: str) -> bool:
-    """Whether the metadata directory *source* is the one that installed the ``attnhost`` imported here.
-
-    Where, not what (any distribution can claim the name ``attnhost``): a wheel's ``RECORD`` or a
-    develop egg-info's ``SOURCES.txt`` lists the very ``attnhost/__init__.py`` imported here, or an
-    editable install's ``direct_url.json`` names the source tree it is imported from.
-    """
-    here = os.path.realpath(_PACKAGE.__file__)
-    site = os.path.dirname(os.path.abspath(source))
-    for line in (_read(source, "RECORD") + _read(source, "SOURCES.txt")).splitlines():
-        listed = line.rsplit(",", 2)[0].strip('"') if "," in line else line.strip()
-        ours = listed.replace("\\", "/").endswith("attnhost/__init__.py")
-        if ours and os.path.realpath(os.path.join(site, listed)) == here:
-            return True
-    direct = _read(source, "direct_url.json")
-    if '"editable"' not in direct:
-        return False
-    import json
-    from urllib.parse import unquote, urlsplit
-
-    try:
-        data = json.loads(direct)
-        url = urlsplit(data["url"])
-        editable = bool(data.get("dir_info", {}).get("editable"))
-        tree = os.path.realpath(unquote(url.path)).rstrip(os.sep) + os.sep
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return editable and url.scheme == "file" and here.startswith(tree)
-
-
-def is_own_declaration(record: EntryPointRecord) -> bool:
-    """Whether *record* is attnhost's own entry point for its built-in plugin (decided by where it is installed)."""
-    own = (record.name, record.value) == (BUILTIN_PLUGIN, BUILTIN_MODULE)
-    return own and bool(record.source) and _installed_this_attnhost(record.source)
-
-
 def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
-    provenance = (record.name, record.distribution, record.version, record.value)
-    return PluginInfo(*provenance, PluginStatus.LOADED, builtin=builtin, location=record.location)
+    return PluginInfo(
+        record.name, record.distribution, record.version, record.value, PluginStatus.LOADED, builtin=builtin
+    )
 
 
 def _fail(info: PluginInfo, cause: str) -> PluginInfo:
@@ -276,22 +212,17 @@ def load_entry_points(
 ) -> list[PluginInfo]:
     """Register the built-in, then import and register the entry points the settings allow.
 
-    The built-in is attnhost's own code: registered directly, first, under every setting, its
-    provenance from its own entry point (:func:`is_own_declaration`). Any other entry point, whatever
-    distribution it claims, is a third-party plugin under the settings, and one named ``builtin`` is a
-    collision. Returns every plugin found, in registration order. Never raises for a plugin's fault.
+    The built-in is attnhost's own code: registered directly, first, under every setting, with the
+    provenance of the attnhost imported here; no metadata stands for it, whatever name it claims. An entry
+    point naming its very module (attnhost's own, a stale egg-info in a checkout, a second install of
+    attnhost's metadata) is that same declaration: nothing to load or report. Any other entry point is a
+    third-party plugin under the settings, and one named ``builtin`` is a collision. Returns every plugin
+    found, in registration order. Never raises for a plugin's fault.
     """
-    own = next((record for record in records if is_own_declaration(record)), None)
-    if own is None:  # discovery did not return it: the same declaration, made directly
-        location = os.path.dirname(os.path.dirname(os.path.abspath(_PACKAGE.__file__)))
-        own = EntryPointRecord(
-            BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, location
-        )
+    own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]
-    # Another copy of the very same declaration (a stale egg-info in a checkout, a second install of
-    # attnhost's metadata) names the module already registered as the built-in: nothing to load or report.
-    others = [r for r in records if r is not own and (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
+    others = [r for r in records if (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
     for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
         info = _info(record)
         if record.name in taken:
@@ -299,11 +230,8 @@ def load_entry_points(
             holder = "attnhost's built-in plugin" if owner.builtin else f"distribution {owner.distribution}"
             error = f"plugin name {record.name!r} is already taken by {holder}"
             info = replace(info, status=PluginStatus.DUPLICATE, error=error)
-            logger.warning(
-                "%s was not loaded: %s; rename one of the entry points or uninstall one distribution",
-                info.origin,
-                error,
-            )
+            fix = "rename one of the entry points or uninstall one distribution"
+            logger.warning("%s was not loaded: %s; %s", info.origin, error, fix)
         elif not settings.autoload:
             info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
         elif settings.allow is not None and record.name not in settings.allow:
@@ -388,7 +316,6 @@ def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginIn
     except (PluginProblem, ValueError) as exc:  # ValueError: an invalid shorthand name, or a duplicate object
         return _fail(info, str(exc))
     except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it
-        if pm.has_plugin(record.name):
-            pm.unregister(name=record.name)
+        pm.unregister(name=record.name)  # a no-op unless pluggy had registered it
         return _fail(info, f"registering its entry point object raised {describe_exception(exc)}")
     return info

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 
 import pluggy
 
@@ -71,8 +71,7 @@ class PluginHost:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._pm: GuardedPluginManager | None = None
-        self._loading: GuardedPluginManager | None = None
-        """The manager being filled while entry points are imported (re-entrant calls get it)."""
+        self._loading: GuardedPluginManager | None = None  # being filled by entry points; re-entrant calls get it
         self._building = False
         self._discovered: list[PluginInfo] = []
         self._in_process: dict[str, PluginInfo] = {}
@@ -80,23 +79,17 @@ class PluginHost:
         self._registry: Registry | None = None
         self._plugins: tuple[PluginInfo, ...] = ()
         self._strict_error: PluginLoadError | None = None
-        self._logged: set[str] = set()
-        """Registry warnings already logged: a rebuild before the freeze must not repeat them."""
-        self._frozen_by: str | None = None
-        """What froze the registry (``the first ServerArgs``, ...), named in every late registration's error."""
+        self._logged: set[str] = set()  # registry warnings logged: a rebuild before the freeze must not repeat them
+        self._frozen_by: str | None = None  # ``the first ServerArgs``, ...: named in every late registration's error
 
     def plugin_manager(self) -> pluggy.PluginManager:
         """The pluggy manager, with every allowed entry point loaded (once per process)."""
-        pm = self._pm
-        if pm is not None:
-            return pm
+        if self._pm is not None:
+            return self._pm
         with self._lock:
-            if self._pm is not None:
-                return self._pm
-            if self._loading is not None:
-                # A plugin being imported calls back into attnhost (SGLang-style add_*_choices
-                # at import time): it gets the manager being filled, never a second load.
-                return self._loading
+            # a plugin's import-time code calling back (SGLang-style add_*_choices) gets the manager being filled
+            if (pm := self._pm or self._loading) is not None:
+                return pm
             pm = self._loading = GuardedPluginManager(self._change)
             load = LoadSettings.from_env()  # read before any plugin code runs, kept for the process
             try:
@@ -154,8 +147,7 @@ class PluginHost:
         for before, after in zip(records, plugins, strict=True):
             if before.status is not PluginStatus.LOADED or after.status is not PluginStatus.FAILED:
                 continue
-            if pm.has_plugin(after.name):
-                pm.unregister(name=after.name)
+            pm.unregister(name=after.name)
             if before in self._discovered:
                 self._discovered[self._discovered.index(before)] = after
             elif after.name in self._in_process:
@@ -164,11 +156,21 @@ class PluginHost:
             if warning not in self._logged:
                 self._logged.add(warning)
                 logger.warning("%s", warning)
+        load = LoadSettings.from_env()
+        bad = (PluginStatus.FAILED, PluginStatus.DUPLICATE)
+        parts = [f"{info.origin}: {info.error}" for info in plugins if info.status in bad]
+        parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
+        missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
+        parts += [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing]
+        self._strict_error = None
+        if load.strict and parts:  # plugin text (errors, distribution names) in an error message is escaped
+            self._strict_error = PluginLoadError(
+                f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
+                + "; ".join(printable(part) for part in parts)
+                + f" — fix or uninstall them, or unset {STRICT_ENV}"
+            )
         self._plugins = tuple(plugins)
         self._registry = registry
-        load = LoadSettings.from_env()
-        missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
-        self._strict_error = _strict_error(plugins, missing) if load.strict else None
         return registry
 
     def plugins(self) -> tuple[PluginInfo, ...]:
@@ -250,20 +252,6 @@ def _in_process_info(name: str, plugin: object) -> PluginInfo:
     qualname = getattr(plugin, "__qualname__", None) or type(plugin).__qualname__
     value = plugin.__name__ if isinstance(plugin, type(sys)) else f"{module}:{qualname}"
     return PluginInfo(name=name, distribution=None, version=None, value=value, status=PluginStatus.LOADED)
-
-
-def _strict_error(plugins: Sequence[PluginInfo], missing_allowed: Iterable[str]) -> PluginLoadError | None:
-    failed = [info for info in plugins if info.status in (PluginStatus.FAILED, PluginStatus.DUPLICATE)]
-    parts = [f"{info.origin}: {info.error}" for info in failed]
-    parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
-    parts += [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing_allowed]
-    if not parts:
-        return None
-    return PluginLoadError(  # plugin text (errors, distribution names) in an error message is escaped
-        f"{STRICT_ENV}=1 and {len(parts)} plugin problem(s): "
-        + "; ".join(printable(part) for part in parts)
-        + f" — fix or uninstall them, or unset {STRICT_ENV}"
-    )
 
 
 _DEFAULT = PluginHost()
