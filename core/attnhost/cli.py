@@ -1,9 +1,8 @@
 """The ``attnhost`` command: ``list``, ``resolve`` and ``plugins``.
 
-Operators read this output when a server picks the wrong kernel, so it shows
-where every backend came from and why each decision was made. Bad input is
-one line on stderr and exit status 2; a strict-mode plugin failure is exit
-status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
+Operators read this output when a server picks the wrong kernel, so it shows where every backend came from and
+why each decision was made. Bad input is one line on stderr and exit status 2; a strict-mode plugin failure is
+exit status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -15,19 +14,10 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from attnhost import __version__
+from attnhost import __version__, settings
 from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError, printable
-from attnhost.settings import (
-    DEBUG_ENV,
-    DISABLE_AUTOLOAD_ENV,
-    NO_CACHE_ENV,
-    PLATFORM_ENV,
-    PLUGINS_ENV,
-    STRICT_ENV,
-    env_flag,
-)
 from attnhost.terminal import fit_table, terminal_width, wrap
 
 if TYPE_CHECKING:
@@ -38,10 +28,6 @@ __all__ = ["main"]
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-
-
-class _WriteError(Exception):
-    """Writing the output failed (a full disk, a closed pipe): not the command's fault, nor a bug."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,30 +42,8 @@ class _WarningFormatter(logging.Formatter):
         return printable(f"attnhost: {record.levelname.lower()}: {record.getMessage()}")
 
 
-def _write(out: TextIO, lines: Sequence[str]) -> int:
-    try:
-        out.write("".join(line + "\n" for line in lines))
-    except OSError as exc:  # a write error; an OSError anywhere else is a bug
-        raise _WriteError from exc
-    return EXIT_OK
-
-
-def _json(payload: object, out: TextIO) -> int:
-    import json  # only the --json paths need it
-
-    # ensure_ascii (the default) escapes control characters and non-ASCII text alike: always valid, any stdout
-    return _write(out, [json.dumps(payload, indent=2)])
-
-
-def _width(args: argparse.Namespace) -> int | None:
-    return None if args.wide else terminal_width()
-
-
 def _distribution(name: str | None, version: str | None) -> str:
     return f"{name} {version}" if name else "(in-process)"
-
-
-# -- list ----------------------------------------------------------------------------------
 
 
 def _backend_row(entry: BackendEntry, platform: str) -> dict[str, Any]:
@@ -109,7 +73,7 @@ def _available(row: dict[str, Any]) -> str:
     return "yes" if row["available"] else f"no: {row['reason']}"
 
 
-def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.host import default_host, get_registry
     from attnhost.platform import current_platform, describe_detection
 
@@ -117,39 +81,13 @@ def _cmd_list(args: argparse.Namespace, out: TextIO) -> int:
     registry = get_registry()
     if args.name is not None:
         row = _backend_row(registry.entry(args.name), platform)  # UnknownBackendError, with "did you mean"
-        if args.json:
-            return _json({"platform": platform, "backend": row}, out)
-        return _write(out, fit_table(_facts(row, platform), _width(args)))
+        return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform), width)
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
     if args.available:
         rows = [row for row in rows if row["available"]]
     plugins = default_host().plugins()
     if args.json:
-        return _json({"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}, out)
-    width = _width(args)
-    lines = _list_table(rows, width) if rows else []
-    source = "from --platform" if args.platform else describe_detection()
-    which = " draft-capable" if args.draft else ""
-    if args.available:
-        summary = f"{len(rows)}{which} backend(s) can run on platform {platform} ({source})"
-    else:
-        loaded = sum(1 for p in plugins if p.status.value == "loaded")
-        usable = sum(1 for row in rows if row["available"])
-        summary = (
-            f"platform {platform} ({source}); {len(rows)}{which} backends from {loaded} plugin(s), "
-            f"{usable} available here"
-        )
-    lines += ["", *wrap(summary, width)]
-    problems = [p for p in plugins if p.status.value in ("failed", "duplicate")]
-    if problems:
-        lines += wrap(f"{len(problems)} plugin(s) failed to load: see `attnhost plugins`", width)
-    if width is not None and rows:
-        lines += wrap("`attnhost list NAME` shows one backend in full; `--wide` shows every column", width)
-    return _write(out, lines)
-
-
-def _list_table(rows: list[dict[str, Any]], width: int | None) -> list[str]:
-    """The compact table groups the reasons a backend cannot run into numbered notes below it."""
+        return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
     table = [["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
     if width is None:
         table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]]
@@ -165,11 +103,26 @@ def _list_table(rows: list[dict[str, Any]], width: int | None) -> list[str]:
         else:
             cells.append(f"no [{reasons.setdefault(row['summary'] or 'unknown', len(reasons) + 1)}]")
         table.append(cells)
-    lines = fit_table(table, width, flexible=(0, 2), wrap_last=False)  # the wide table has no notes
-    if reasons:
-        lines.append("")
+    lines = fit_table(table, width, flexible=(0, 2), wrap_last=False) if rows else []  # the wide table has no notes
+    lines += [""] if reasons else []
     for reason, number in reasons.items():
         lines += wrap(reason, width, indent=f"[{number}] ")
+    source = "from --platform" if args.platform else describe_detection()
+    which = " draft-capable" if args.draft else ""
+    if args.available:
+        summary = f"{len(rows)}{which} backend(s) can run on platform {platform} ({source})"
+    else:
+        loaded = sum(1 for p in plugins if p.status.value == "loaded")
+        usable = sum(1 for row in rows if row["available"])
+        summary = (
+            f"platform {platform} ({source}); {len(rows)}{which} backends from {loaded} plugin(s), "
+            f"{usable} available here"
+        )
+    lines += ["", *wrap(summary, width)]
+    if problems := [p for p in plugins if p.status.value in ("failed", "duplicate")]:
+        lines += wrap(f"{len(problems)} plugin(s) failed to load: see `attnhost plugins`", width)
+    if width is not None and rows:
+        lines += wrap("`attnhost list NAME` shows one backend in full; `--wide` shows every column", width)
     return lines
 
 
@@ -191,45 +144,33 @@ def _facts(row: dict[str, Any], platform: str) -> list[list[str]]:
     ]
 
 
-# -- plugins -------------------------------------------------------------------------------
-
-
-def _cmd_plugins(args: argparse.Namespace, out: TextIO) -> int:
-    """Every plugin, even in strict mode (the report, then the strict error): the command for debugging a failure."""
+def _cmd_plugins(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.host import default_host
 
-    host = default_host()
-    plugins = host.plugins()
+    plugins = default_host().plugins()  # every plugin, even in strict mode: the command for debugging a failure
     if args.json:
-        _json({"plugins": [p.to_json() for p in plugins]}, out)
-    else:
-        width = _width(args)
-        table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT" if width else "ENTRY POINT / ERROR"]]
-        errors: list[str] = []
-        for info in plugins:
-            backends, detail = ",".join(info.backends), info.value
-            if width is None and info.error is not None:
-                detail += f": {info.error}"
-            elif info.error is not None:
-                errors += wrap(f"{info.name}: {info.error}", width, hanging="    ")
-            if width is not None and len(info.backends) > 2:
-                backends = ",".join(info.backends[:2]) + f",... ({len(info.backends)})"
-            dist = _distribution(info.distribution, info.version)
-            table.append([info.name, dist, info.status.value, backends or "-", detail])
-        lines = fit_table(table, width, flexible=(0, 1, 3), wrap_last=False)
-        lines += ["", *errors] if errors else []
-        for info in plugins:
-            for warning in info.warnings:
-                lines += wrap(f"warning: {warning}", width, hanging="    ")
-        _write(out, lines)
-    host.registry()  # raises PluginLoadError under ATTNHOST_STRICT=1 if any plugin failed
-    return EXIT_OK
+        return {"plugins": [p.to_json() for p in plugins]}
+    table = [["PLUGIN", "DISTRIBUTION", "STATUS", "BACKENDS", "ENTRY POINT" if width else "ENTRY POINT / ERROR"]]
+    errors: list[str] = []
+    for info in plugins:
+        backends, detail = ",".join(info.backends), info.value
+        if width is None and info.error is not None:
+            detail += f": {info.error}"
+        elif info.error is not None:
+            errors += wrap(f"{info.name}: {info.error}", width, hanging="    ")
+        if width is not None and len(info.backends) > 2:
+            backends = ",".join(info.backends[:2]) + f",... ({len(info.backends)})"
+        dist = _distribution(info.distribution, info.version)
+        table.append([info.name, dist, info.status.value, backends or "-", detail])
+    lines = fit_table(table, width, flexible=(0, 1, 3), wrap_last=False)
+    lines += ["", *errors] if errors else []
+    for info in plugins:
+        for warning in info.warnings:
+            lines += wrap(f"warning: {warning}", width, hanging="    ")
+    return lines
 
 
-# -- resolve -------------------------------------------------------------------------------
-
-
-def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
+def _cmd_resolve(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.availability import check_availability
     from attnhost.host import get_registry
     from attnhost.platform import current_platform
@@ -237,7 +178,6 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
     from attnhost.server_args import ServerArgs
 
     platform = current_platform(args.platform)
-    server_args = ServerArgs.from_cli_args(args)
     # The text report lists every warning resolution raises; the log line would show each a second time.
     held: list[str] = []
 
@@ -249,7 +189,7 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
     if not args.json:
         resolution_logger.addFilter(hold)
     try:
-        result = resolve(server_args, platform)
+        result = resolve(ServerArgs.from_cli_args(args), platform)
     finally:
         resolution_logger.removeFilter(hold)
     registry = get_registry()
@@ -257,34 +197,35 @@ def _cmd_resolve(args: argparse.Namespace, out: TextIO) -> int:
     availability = {role: check_availability(registry.entry(name), platform) for role, name in chosen.items()}
     if args.json:
         facts = {role: {"available": a.available, "reason": a.reason} for role, a in availability.items()}
-        return _json({**result.to_json(), "availability": facts}, out)
+        return {**result.to_json(), "availability": facts}
     rows = [["platform", platform, "(from --platform)" if args.platform else ""]]
     for role, name in chosen.items():
         notes = ["(fell back)"] if role == "draft" and result.draft.fell_back else []
         if not availability[role].available:
             notes.append(f"[not available here: {availability[role].reason}]")
         rows.append([role, name, " ".join(notes)])
-    width = _width(args)
     lines = [*fit_table(rows, width, flexible=(1,)), "", "trace:"]
     for number, step in enumerate(result.target.trace + result.draft.trace, 1):
         lines += wrap(step, width, indent=f"  {number}. ")
     warnings = list(dict.fromkeys([*result.warnings, *held]))
-    if warnings:
-        lines.append("warnings:")
+    lines += ["warnings:"] if warnings else []
     for warning in warnings:
         lines += wrap(warning, width, indent="  - ")
-    return _write(out, lines)
+    return lines
 
 
 # -- main ---------------------------------------------------------------------------------
 
 _ENVIRONMENT = (
-    (PLUGINS_ENV, "comma-separated plugin names: load only these third-party plugins (the built-ins always load)"),
-    (DISABLE_AUTOLOAD_ENV, "1: load only the built-in plugin"),
-    (STRICT_ENV, "1: a plugin that fails to load is an error (exit 1), not a warning"),
-    (PLATFORM_ENV, "cuda, rocm, xpu, npu, mps or cpu: the platform, instead of detecting it"),
-    (NO_CACHE_ENV, "1: neither read nor write the entry-point scan cache"),
-    (DEBUG_ENV, "1: show the traceback of an internal error"),
+    (
+        settings.PLUGINS_ENV,
+        "comma-separated plugin names: load only these third-party plugins (the built-ins always load)",
+    ),
+    (settings.DISABLE_AUTOLOAD_ENV, "1: load only the built-in plugin"),
+    (settings.STRICT_ENV, "1: a plugin that fails to load is an error (exit 1), not a warning"),
+    (settings.PLATFORM_ENV, "cuda, rocm, xpu, npu, mps or cpu: the platform, instead of detecting it"),
+    (settings.NO_CACHE_ENV, "1: neither read nor write the entry-point scan cache"),
+    (settings.DEBUG_ENV, "1: show the traceback of an internal error"),
 )
 
 _FLAGS: dict[str, dict[str, Any]] = {
@@ -334,7 +275,7 @@ def _help(description: str, width: int, *, platform: bool = True) -> dict[str, A
     """``--help``'s description and environment variables (ATTNHOST_PLATFORM where ``--platform`` is), wrapped."""
     epilog = ["environment variables:"]
     for name, text in _ENVIRONMENT:
-        if platform or name != PLATFORM_ENV:
+        if platform or name != settings.PLATFORM_ENV:
             epilog += [f"  {name}", *wrap(text, width - 2, indent="      ")]
     return {
         "description": "\n".join(wrap(description, width - 2)),
@@ -343,12 +284,11 @@ def _help(description: str, width: int, *, platform: bool = True) -> dict[str, A
     }
 
 
-def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+def _build_parser(argv: Sequence[str], width: int) -> argparse.ArgumentParser:
     description = (
         "Inspect the attention backends attnhost discovers and resolves. With no command, runs `attnhost list` "
         "(with any flags given)."
     )
-    width = terminal_width()
     parser = _Parser(prog="attnhost", **_help(description, width))
     parser.add_argument("--version", action="version", version=f"attnhost {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -373,8 +313,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     is_program = argv is None
     if is_program:  # the process's own streams: in-process callers' streams are theirs
         for stream in (sys.stdout, sys.stderr):
-            # text the encoding cannot carry (a plugin's non-ASCII name on an ASCII stdout) becomes escapes
-            if isinstance(stream, io.TextIOWrapper):
+            if isinstance(stream, io.TextIOWrapper):  # text the encoding cannot carry becomes escapes, not an error
                 with contextlib.suppress(ValueError, OSError):
                     stream.reconfigure(errors="backslashreplace")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -411,11 +350,9 @@ def _write_failed(exc: OSError, out: TextIO, err: TextIO, is_program: bool) -> i
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-    if isinstance(exc, BrokenPipeError):  # the reader left (`attnhost list | head`): nothing to say
-        return EXIT_FAILURE
-    reason = exc.strerror or type(exc).__name__
-    with contextlib.suppress(OSError, ValueError):
-        err.write(f"attnhost: write error: cannot write the output: {reason}\n")
+    if not isinstance(exc, BrokenPipeError):  # a reader that left (`attnhost list | head`) needs no message
+        with contextlib.suppress(OSError, ValueError):
+            err.write(f"attnhost: write error: cannot write the output: {exc.strerror or type(exc).__name__}\n")
     return EXIT_FAILURE
 
 
@@ -426,21 +363,33 @@ def _run(argv: list[str], out: TextIO, err: TextIO, is_program: bool) -> int:
         err.write(printable(message.rstrip()) + "\n")
         return status
 
-    debug = env_flag(DEBUG_ENV)
+    debug = settings.env_flag(settings.DEBUG_ENV)
     try:
-        parser = _build_parser(argv)
+        width = terminal_width()
+        parser = _build_parser(argv, width)
         args, extra = parser.parse_known_args(argv)
         if args.command is None:  # `attnhost` / `python -m attnhost` alone: the common question
             args, extra = parser.parse_known_args(["list", *argv])  # with list's own flags: `attnhost --json`
         if extra:  # reported by the command's own parser, so the hint names `attnhost COMMAND --help`
             args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return cast("int", args.handler(args, out))
+        output = args.handler(args, None if args.wide else width)  # every command has --json and --wide
+        if args.json:
+            import json  # only the --json paths need it
+
+            # ensure_ascii (the default) escapes control characters and non-ASCII text alike: always valid, any stdout
+            output = [json.dumps(output, indent=2)]
+        try:
+            out.write("".join(line + "\n" for line in output))
+        except OSError as exc:  # a write error (a full disk, a closed pipe); an OSError anywhere else is a bug
+            return _write_failed(exc, out, err, is_program)
+        from attnhost.host import get_registry
+
+        get_registry()  # `plugins` reports a strict-mode failure before raising it (exit 1); the others already did
+        return EXIT_OK
     except KeyboardInterrupt as exc:  # Ctrl-C: one line, naming the plugin being loaded (PluginLoadInterrupted)
         return fail(f"attnhost: {str(exc) or 'interrupted'}", 130)
     except SystemExit as exc:  # --help / --version, or a usage error (its message)
         return int(exc.code or 0) if not isinstance(exc.code, str) else fail(exc.code, EXIT_USAGE)
-    except _WriteError as exc:
-        return _write_failed(cast("OSError", exc.__cause__), out, err, is_program)
     except (AttnhostError, ValueError) as exc:
         if debug and not isinstance(exc, (PluginLoadError, UnknownBackendError, PlatformError)):
             raise  # the user's own mistakes and a strict-mode failure are never a traceback

@@ -16,10 +16,8 @@ from attnhost.errors import printable
 __all__ = ["ELLIPSIS", "fit_table", "shorten", "terminal_width", "wrap"]
 
 ELLIPSIS = "..."
-MIN_LAST = 24
-"""A wrapping last column keeps at least this many characters per line before other columns shrink."""
-MIN_WIDTH = 40
-"""Narrower than this, wrapping every line would help no one: lay out for this width instead."""
+MIN_LAST = 24  # a wrapping last column keeps at least this many characters a line before other columns shrink
+MIN_WIDTH = 40  # narrower than this, wrapping every line would help no one: lay out for this width instead
 
 
 def terminal_width() -> int:
@@ -28,10 +26,8 @@ def terminal_width() -> int:
 
 
 def shorten(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters, ending in ``...`` when it was cut."""
-    if len(text) <= width:
-        return text
-    return text[:width] if width <= len(ELLIPSIS) else text[: width - len(ELLIPSIS)] + ELLIPSIS
+    """``text`` cut to ``width`` characters (more than 3: every caller's are), ending in ``...`` when it was cut."""
+    return text if len(text) <= width else text[: width - len(ELLIPSIS)] + ELLIPSIS
 
 
 def wrap(text: str, width: int | None, *, indent: str = "", hanging: str | None = None) -> list[str]:
@@ -40,7 +36,7 @@ def wrap(text: str, width: int | None, *, indent: str = "", hanging: str | None 
         return [indent + printable(text)]
     lines = textwrap.wrap(
         printable(text),
-        width=max(width, len(indent) + 10),
+        width=width,
         initial_indent=indent,
         subsequent_indent=" " * len(indent) if hanging is None else hanging,
         break_on_hyphens=False,
@@ -57,36 +53,29 @@ def fit_table(
 ) -> list[str]:
     """The rows as aligned lines no wider than ``width`` (``None``: unbounded, the ``--wide`` layout).
 
-    Columns in ``flexible`` shrink, widest first, down to their header's
-    width; then the last column, if ``wrap_last``, wraps under itself. What
-    still does not fit is cut, so no line is ever wider than ``width``.
+    Columns in ``flexible`` (not the last) shrink, widest first, down to their header's width; then the last
+    column, if ``wrap_last``, wraps under itself. What still does not fit is cut: no line is wider than ``width``.
     """
     table = [[printable(cell) for cell in row] for row in rows]
     widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     gap = 2
     if width is not None:
         floor = {i: max(len(table[0][i]), len(ELLIPSIS) + 1) for i in flexible}
-
-        def needed() -> int:
-            last = min(widths[-1], MIN_LAST) if wrap_last else widths[-1]
-            return sum(widths[:-1]) + last + gap * (len(widths) - 1)
-
-        while needed() > width and (shrinkable := [i for i in flexible if widths[i] > floor[i]]):
+        last = min(widths[-1], MIN_LAST) if wrap_last else widths[-1]
+        excess = sum(widths[:-1]) + gap * (len(widths) - 1) + last - width
+        while excess > 0 and (shrinkable := [i for i in flexible if widths[i] > floor[i]]):
             widths[max(shrinkable, key=lambda i: widths[i])] -= 1  # the widest first
+            excess -= 1
     lead = sum(widths[:-1]) + gap * (len(widths) - 1)
     last_width = widths[-1] if width is None else max(width - lead, 10)
     lines: list[str] = []
     for row in table:
         prefix = "".join(shorten(cell, widths[i]).ljust(widths[i]) + " " * gap for i, cell in enumerate(row[:-1]))
-        last = row[-1]
-        if width is None or len(last) <= last_width:
-            lines.append((prefix + last).rstrip())
-        elif wrap_last:
-            pieces = textwrap.wrap(last, width=last_width, break_on_hyphens=False) or [""]
-            lines.append((prefix + pieces[0]).rstrip())
-            lines.extend((" " * lead + piece).rstrip() for piece in pieces[1:])
-        else:
-            lines.append((prefix + shorten(last, last_width)).rstrip())
+        pieces = [shorten(row[-1], last_width)]  # unbounded, last_width is the column's: nothing is cut
+        if wrap_last and len(row[-1]) > last_width:
+            pieces = textwrap.wrap(row[-1], width=last_width, break_on_hyphens=False) or [""]
+        lines.append((prefix + pieces[0]).rstrip())
+        lines.extend((" " * lead + piece).rstrip() for piece in pieces[1:])
     if width is not None:
         lines = [shorten(line, width) for line in lines]
     return lines
