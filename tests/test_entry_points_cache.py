@@ -4,7 +4,7 @@ All against real ``*.dist-info`` directories written by ``distgen``; nothing of
 ``os`` or ``importlib_metadata`` is mocked. "Was this a hit?" is observed through
 ``scan_stats()`` and, across processes, by running ``scan()`` in fresh interpreters.
 
-The racy window (see ``attnhost.entry_points_cache``) is lowered to 50 ms here and
+The racy window (see ``attnhost.entry_points``) is lowered to 50 ms here and
 the fixture waits it out once, so the environment counts as settled; every change
 below is then made *immediately* after a cached scan, well within the same
 second, which is exactly the case mtime-in-seconds keys get wrong.
@@ -29,7 +29,6 @@ import pytest
 from distgen import make_dist, render_entry_points, settle
 
 from attnhost import entry_points as E
-from attnhost import entry_points_cache as C
 from attnhost.entry_points import scan, scan_stats
 
 G = "sglang.draft_attention_backends"
@@ -75,7 +74,7 @@ def delta(before: dict[str, int]) -> dict[str, int]:
 
 def cache_file(group: str) -> str | None:
     """The cache file scan() uses for *group* on the current sys.path (None: no cache)."""
-    return C.cache_file(C.identity(group, sys.path))
+    return E.cache_file(E.identity(group, sys.path))
 
 
 def cache_path() -> Path:
@@ -308,7 +307,7 @@ def test_key_stats_every_distribution_and_its_entry_points_and_plugins_metadata(
     monkeypatch.setattr(sys, "path", [str(root), *STDLIB])
     settle(WINDOW_NS)
     assert len(scan(G)) == 30
-    decoded = C.decode(cache_path().read_text(), len(sys.path))
+    decoded = E.decode(cache_path().read_text(), len(sys.path))
     assert decoded is not None
     targets = decoded[1][0]
     with_file = len(list(root.glob("*.dist-info/entry_points.txt")))
@@ -331,7 +330,7 @@ def test_xdg_cache_home_is_honoured_and_home_is_the_default(
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     E.clear_memo()
     scan(G)
-    assert C.cache_dir() == str(tmp_path / "home" / ".cache" / "attnhost")
+    assert os.path.dirname(cache_file(G) or "") == str(tmp_path / "home" / ".cache" / "attnhost")
     assert list((tmp_path / "home" / ".cache" / "attnhost").glob("entry-points-*.txt"))
 
 
@@ -347,7 +346,7 @@ def test_no_home_and_no_xdg_cache_home_means_no_cache(
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert C.cache_dir() is None and cache_file(G) is None
+    assert cache_file(G) is None
     for _ in range(2):
         E.clear_memo()
         assert {r.name for r in scan(G)} == {"a", "b"}
@@ -415,13 +414,13 @@ def test_corrupt_cache_is_ignored_with_one_debug_line_and_rebuilt(
     assert delta(before) == {"scans": 1, "cache_hits": 1}  # it was rewritten
 
 
-def _forge(extra_rows: list[C.Row]) -> None:
+def _forge(extra_rows: list[E.Row]) -> None:
     """Rewrite the cache file as an attacker with write access would: valid checksum, valid key, extra records."""
     file = cache_path()
-    decoded = C.decode(file.read_text(), len(E._paths()))
+    decoded = E.decode(file.read_text(), len(E._paths()))
     assert decoded is not None
     digest, plan, rows = decoded
-    text = C.encode(digest, plan, [*rows, *extra_rows])
+    text = E.encode(digest, plan, [*rows, *extra_rows])
     assert text is not None
     file.write_text(text)
     os.chmod(file, 0o600)
@@ -439,7 +438,7 @@ def _forge(extra_rows: list[C.Row]) -> None:
     ids=["undeclared", "builtin-name", "outside", "unkeyed", "traversal"],
 )
 def test_a_forged_record_is_never_returned(
-    site: Path, tmp_path: Path, forged: C.Row, caplog: pytest.LogCaptureFixture
+    site: Path, tmp_path: Path, forged: E.Row, caplog: pytest.LogCaptureFixture
 ) -> None:
     outside = tmp_path / "outside.dist-info"
     outside.mkdir()
@@ -537,7 +536,7 @@ def test_a_cache_directory_writable_by_others_is_ignored(
 def test_an_oversized_cache_file_is_ignored(site: Path, caplog: pytest.LogCaptureFixture) -> None:
     expected = scan(G)
     with open(cache_path(), "ab") as f:
-        f.truncate(C.MAX_CACHE_BYTES + 1)
+        f.truncate(E.MAX_CACHE_BYTES + 1)
     _assert_ignored_once(caplog, expected)
 
 

@@ -37,13 +37,10 @@ class _OnDevice(Protocol):
 
 
 class KVCache(_OnDevice, Protocol):
-    """The token-slot KV cache a backend reads and writes, whoever owns it.
+    """The token-slot KV cache a backend reads and writes, whoever owns it (members: README's plugin guide).
 
-    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches
-    without copying a byte, so a backend may rely on exactly this (shapes: README's plugin guide). The K/V
-    buffers may be *strided* views (vLLM keeps a slot's K and V side by side): index, never ``view`` them.
-    ``req_to_token[req_pool_indices[i], p]`` (int32 or int64) is the slot of token ``p < seq_lens[i]`` of
-    request ``i``; entries past it are undefined.
+    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches without
+    copying a byte, so rely on exactly this: the K/V buffers may be *strided* views (index, never ``view`` them).
     """
 
     @property
@@ -68,26 +65,22 @@ class AttentionRunner(_OnDevice, Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
-    """What a backend declares it supports, so engines refuse the rest before they build or capture anything.
-
-    ``dtypes`` are ``torch`` attribute names (query and KV cache), ``head_dims`` empty means any. What the
-    contract itself lacks (sliding window, logit cap, ALiBi, sinks, MLA, cross-attention) is refused for every
-    backend rather than declared here.
-    """
+    """What a backend declares it supports (fields: README's plugin guide), so engines refuse the rest before they
+    build or capture anything. What the contract itself lacks (sliding window, logit cap, ALiBi, sinks, MLA,
+    cross-attention) is refused for every backend rather than declared here."""
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
     head_dims: tuple[int, ...] = ()
     cuda_graph: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.dtypes, str) or not all(isinstance(d, str) and d for d in self.dtypes):
-            raise ValueError(f"BackendCapabilities.dtypes must be dtype names such as 'float16', got {self.dtypes!r}")
-        if not self.dtypes:
-            raise ValueError("BackendCapabilities.dtypes must name at least one dtype")
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in self.head_dims):
-            raise ValueError(f"BackendCapabilities.head_dims must be positive integers, got {self.head_dims!r}")
-        object.__setattr__(self, "dtypes", tuple(self.dtypes))
-        object.__setattr__(self, "head_dims", tuple(self.head_dims))
+        dtypes, head_dims = self.dtypes, self.head_dims
+        if isinstance(dtypes, str) or not dtypes or not all(isinstance(d, str) and d for d in dtypes):
+            raise ValueError(f"BackendCapabilities.dtypes must be dtype names such as 'float16', got {dtypes!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in head_dims):
+            raise ValueError(f"BackendCapabilities.head_dims must be positive integers, got {head_dims!r}")
+        object.__setattr__(self, "dtypes", tuple(dtypes))
+        object.__setattr__(self, "head_dims", tuple(head_dims))
 
     def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None) -> str | None:
         """Why a model with these properties cannot run on this backend, or ``None`` if it can."""
@@ -107,10 +100,8 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayer:
-    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields).
-
-    ``scaling <= 0`` means ``1/sqrt(head_dim)``; consecutive groups of query heads share a KV head (GQA, MQA).
-    """
+    """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields); ``scaling <= 0`` means
+    ``1/sqrt(head_dim)``, and consecutive groups of query heads share a KV head (GQA, MQA)."""
 
     layer_id: int
     num_heads: int
@@ -131,13 +122,11 @@ class AttentionLayer:
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of attention backends: SGLang's ``AttentionBackend`` surface.
+    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide).
 
     Built as ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the
     runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
-    #28559). ``q`` is ``[tokens, num_heads, head_dim]``, ``k``/``v`` ``[tokens, num_kv_heads, head_dim]``: the
-    batch's new tokens in request order; the result has ``q``'s shape. A subclass implements
-    ``init_forward_metadata`` and ``forward_extend``, the one attention method it needs (else: ``TypeError``).
+    #28559). A subclass implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``).
     """
 
     prefill_attention_backend_str: str | None = None
@@ -163,7 +152,6 @@ class AttentionBackend(abc.ABC):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        """Route by forward mode: idle gives an empty result, decode decodes, the rest extend."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:
             return q.new_empty((0, layer.num_heads, layer.head_dim))
@@ -183,11 +171,10 @@ def build_backend(
 ) -> AttentionBackend:
     """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
 
-    A factory handing one instance to two runners (a cached singleton, say) makes the target dispatch to the
-    draft's backend, SGLang #28559's bug, so the second hand-out is refused. Whatever the factory raises,
-    ``SystemExit`` included, becomes a ``BackendUnavailableError``: it is other people's code inside a server's
-    start-up. ``where`` names runner, backend and plugin, ``way_out`` ends a factory-failure message, and
-    ``owner`` is whom to report a broken contract to.
+    A factory handing one instance to two runners (a cached singleton, say) makes the target run the draft's
+    backend (SGLang #28559), so the second hand-out is refused. Whatever it raises, ``SystemExit`` included, becomes
+    a ``BackendUnavailableError``: it is other people's code in a server's start-up. ``where`` names runner, backend
+    and plugin; ``way_out`` ends a factory-failure message; ``owner`` is whom to report a broken contract to.
     """
     try:
         backend = factory(runner)

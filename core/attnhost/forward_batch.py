@@ -18,9 +18,7 @@ from attnhost.backend import KVCache
 from attnhost.errors import KVPoolFullError
 from attnhost.forward_mode import ForwardMode
 
-__all__ = ["ForwardBatch", "KVPool", "RequestSpec"]
-
-RequestSpec = tuple[int, int, int]  # (req_pool_index, prefix_len, extend_len), as ForwardBatch.prepare takes
+__all__ = ["ForwardBatch", "KVPool"]
 
 
 def check_size(owner: str, name: str, value: object) -> None:
@@ -122,13 +120,11 @@ class KVPool:
         cpu = slots.detach().to("cpu", torch.int64).reshape(-1)
         if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots):
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
-        ordered = cpu.sort().values
-        if bool((ordered[1:] == ordered[:-1]).any()) or bool(torch.isin(cpu, self._free_slots).any()):
+        if torch.unique(cpu).numel() < cpu.numel() or bool(torch.isin(cpu, self._free_slots).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
         self._free_slots = torch.cat([self._free_slots, cpu])
 
     def alloc_request(self) -> int:
-        """Take the lowest-numbered free request slot that was freed earliest."""
         if not self._free_requests:
             raise KVPoolFullError(
                 f"KV pool has no free request slot (max_requests={self.max_requests}); "
@@ -150,11 +146,8 @@ class KVPool:
 
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
-    """One forward pass: which requests run, how many new tokens each brings, where they go.
-
-    ``prefix_lens`` (SGLang's ``extend_prefix_lens``) counts tokens cached before this forward, ``seq_lens``
-    after it; ``extend_start_loc_cpu`` is where each request's new tokens start in ``q``; mismatches are refused.
-    """
+    """One forward pass: which requests run, how many new tokens each brings, where they go (the fields: README's
+    plugin guide); lengths that do not add up are refused."""
 
     forward_mode: ForwardMode
     kv_pool: KVCache
@@ -191,11 +184,9 @@ class ForwardBatch:
             raise ValueError("ForwardBatch: a DECODE batch brings exactly one new token per request")
 
     @classmethod
-    def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[RequestSpec]) -> ForwardBatch:
-        """Allocate and record each request's new slots, then build the batch.
-
-        Everything is checked before anything is taken, so a refusal (naming the request) leaves the pool as it was.
-        """
+    def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[Sequence[int]]) -> ForwardBatch:
+        """Allocate and record the new slots of each ``(req_pool_index, prefix_len, extend_len)``, then build the
+        batch; everything is checked first, so a refusal (naming the request) leaves the pool as it was."""
         specs = [tuple(int(x) for x in r) for r in requests]
         if forward_mode is ForwardMode.IDLE and specs:
             raise ValueError(f"ForwardBatch.prepare: an IDLE batch takes no requests, got {len(specs)}")

@@ -1,8 +1,7 @@
 """The registry: every backend name, its aliases, roles and provenance, immutable once built.
 
-It is rebuilt on each registration before the freeze and never changes after
-it. Outside code sees only read-only views, so nobody can corrupt it the way
-SGLang's module-level lists could be.
+Rebuilt on each registration before the freeze, never changed after it; outside code sees only read-only views,
+so nobody can corrupt it the way SGLang's module-level lists could be.
 """
 
 from __future__ import annotations
@@ -71,10 +70,8 @@ class Contribution:
 
 
 class Registry(Mapping[str, BackendSpec]):
-    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names.
-
-    ``drafts`` keeps the order plugins declared them in (SGLang's for the built-ins).
-    """
+    """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names, and ``drafts``
+    keeps the order plugins declared them in (SGLang's for the built-ins)."""
 
     __slots__ = ("_aliases", "_draft", "_entries", "_order")
 
@@ -128,8 +125,7 @@ class Registry(Mapping[str, BackendSpec]):
 
     def is_draft_capable(self, name: str) -> bool:
         """The one source of truth for draft capability (no other list may exist)."""
-        canonical = self.canonical(name)
-        return canonical is not None and self._entries[canonical].draft
+        return name in self and self.entry(name).draft
 
     def entries(self) -> tuple[BackendEntry, ...]:
         return tuple(self._entries.values())
@@ -154,12 +150,9 @@ def _expect_sequence(value: object, hook_name: str, item_type: type, item_label:
 
 
 def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo]) -> list[Contribution | PluginInfo]:
-    """Ask each loaded plugin's hooks in turn; a plugin whose hook fails yields a failed ``PluginInfo``.
-
-    One item out per item in, in order; one plugin's exception or bad answer
-    fails that plugin alone. A failed plugin is left registered: the caller,
-    which owns the manager, unregisters it.
-    """
+    """Ask each loaded plugin's hooks in turn, one item out per item in: a plugin whose hook raises or answers
+    badly (that plugin alone) becomes a failed ``PluginInfo``, left registered for the caller, which owns the
+    manager, to unregister."""
     out: list[Contribution | PluginInfo] = []
     for info in plugins:
         if info.status is not PluginStatus.LOADED:
@@ -189,10 +182,8 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
 def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
     """Merge contributions in order into a registry; returns it and the final plugin records.
 
-    The first registration of a name wins, except that an implementation fills
-    a declared-only name; each collision is noted on the plugin that lost. The
-    notes are not logged here, as the registry is rebuilt on every pre-freeze
-    registration: the host logs each once.
+    The first registration of a name wins, except that an implementation fills a declared-only name. Each collision
+    is noted on the plugin that lost, for the host to log once (the registry is rebuilt on every registration).
     """
     entries: dict[str, BackendEntry] = {}
     aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
@@ -201,29 +192,27 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
     draft_order: list[str] = []
     contribs = [c for c in contributions if isinstance(c, Contribution)]
     for contrib in contribs:
-        plugin = contrib.plugin
+        plugin, note = contrib.plugin, notes[contrib.plugin.name].append
         for spec in contrib.specs:
             existing = entries.get(aliases.get(spec.name, spec.name))
             if existing is not None and existing.name != spec.name:
-                notes[plugin.name].append(
+                note(
                     f"{plugin.origin} registers backend {spec.name!r}, which is already an alias of "
                     f"{existing.name!r} from {existing.label}; ignored — rename the backend"
                 )
                 continue
             if existing is not None and (existing.spec.implemented or not spec.implemented):
                 if spec.implemented and existing.plugin == plugin.name:
-                    notes[plugin.name].append(
-                        f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept"
-                    )
+                    note(f"{plugin.origin} registers backend {spec.name!r} twice; the first is kept")
                 elif spec.implemented:
-                    notes[plugin.name].append(
+                    note(
                         f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; keeping "
                         f"{existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS"
                     )
                 continue  # declaring a name that already exists adds nothing
-            merged, declared_by = spec, None
+            merged, declarer = spec, None
             if existing is not None:  # implementing a declared-only name keeps what the declaration said
-                declared_by = existing.plugin
+                declarer = existing.plugin
                 merged = replace(
                     spec,
                     aliases=tuple(dict.fromkeys(existing.spec.aliases + spec.aliases)),
@@ -232,16 +221,14 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
                     provided_by=spec.provided_by or existing.spec.provided_by,
                     description=spec.description or existing.spec.description,
                 )
-            entries[spec.name] = BackendEntry(
-                merged, plugin.name, plugin.distribution, plugin.version, False, declared_by
-            )
+            entries[spec.name] = BackendEntry(merged, plugin.name, plugin.distribution, plugin.version, False, declarer)
             owned[plugin.name].append(spec.name)
             for alias in spec.aliases:
                 owner = entries.get(aliases.get(alias, alias))
                 if owner is None:
                     aliases[alias] = spec.name
                 elif owner.name != spec.name:
-                    notes[plugin.name].append(
+                    note(
                         f"{plugin.origin} gives backend {spec.name!r} the alias {alias!r}, which already names "
                         f"{owner.name!r} from {owner.label}; alias ignored"
                     )

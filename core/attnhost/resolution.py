@@ -1,8 +1,7 @@
 """Which backends the target and the draft model run, and a trace of why.
 
-Operators debug "why is my draft on flashinfer?" from this trace, so every
-decision appends one readable step. A draft backend that cannot run here
-(flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
+Operators debug "why is my draft on flashinfer?" from this trace, so every decision appends one readable step. A
+draft backend that cannot run here (flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
 before any runner tries to build it.
 """
 
@@ -86,11 +85,8 @@ class Resolution:
 
 
 def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
-    """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order.
-
-    An implementation that raises or answers a name the registry cannot use is
-    skipped with a warning: one broken platform plugin cannot stop resolution.
-    """
+    """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order; one that raises
+    or answers a name the registry cannot use is skipped with a warning, so it cannot stop resolution."""
     pm = default_host().plugin_manager()
     for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):  # pluggy calls the last registered first
         plugin = printable(repr(impl.plugin_name))
@@ -117,12 +113,8 @@ def _runs_here(registry: Registry, names: tuple[str, ...], platform: str) -> lis
 
 
 def _draft(registry: Registry, trace: list[str], name: str, how: str, platform: str, **kw: Any) -> DraftResolution:
-    """The draft result for ``name``; when it cannot run on ``platform``, the problem and the ways out.
-
-    The user may never have named the backend (a fallback), so the problem
-    says how it was chosen and which other backend would run, not just
-    "choose another backend".
-    """
+    """The draft result for ``name``; when it cannot run on ``platform``, the problem and the ways out. The user may
+    never have named it (a fallback), so the problem says how it was chosen and which other backend would run."""
     entry = registry.entry(name)
     reason = check_availability(entry, platform).reason
     if reason is None:
@@ -164,11 +156,8 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
 
 
 def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = None) -> DraftResolution:
-    """The draft worker's backend, exactly as SGLang #35932 decides it, with the reasons.
-
-    The choice is SGLang's; what attnhost adds is saying, in the result, when
-    the chosen backend cannot run here (``available``, ``problem``).
-    """
+    """The draft worker's backend, exactly as SGLang #35932 decides it, with the reasons; attnhost adds saying, in
+    the result, when the chosen backend cannot run here (``available``, ``problem``)."""
     platform = current_platform(platform)
     registry = default_host().registry()
     trace: list[str] = []
@@ -208,5 +197,4 @@ def resolve(args: ServerArgs, platform: str | None = None) -> Resolution:
     """Resolve target and draft together, for the CLI and for reports."""
     target = resolve_attention_backends(args, platform)
     draft = resolve_draft_attention_backend(args, target.platform)
-    warnings = tuple(text for text in (draft.warning, draft.problem) if text)
-    return Resolution(target, draft, warnings)
+    return Resolution(target, draft, tuple(filter(None, (draft.warning, draft.problem))))
