@@ -260,6 +260,16 @@ class BackendConformance:
         batch = self._prepare(runner, mode, requests, what)
         return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in runner.layers])
 
+    def _extend_twice_then_decode(
+        self, runner: ModelRunner, first: tuple[int, int], second: tuple[int, int], label: str
+    ) -> None:
+        """Two requests: a prefill of ``first`` tokens, an extend of ``second`` over that prefix, one decode step."""
+        r0, r1 = runner.new_request(), runner.new_request()
+        (a0, a1), (b0, b1) = first, second
+        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, a0), (r1, 0, a1)], f"{label} extend")
+        self._forward(runner, ForwardMode.EXTEND, [(r0, a0, b0), (r1, a1, b1)], f"{label} extend with cached prefix")
+        self._forward(runner, ForwardMode.DECODE, [(r0, a0 + b0, 1), (r1, a1 + b1, 1)], f"{label} decode")
+
     @staticmethod
     def _prepare(runner: ModelRunner, mode: ForwardMode, requests: Sequence[Request], what: str) -> ForwardBatch:
         """``runner.prepare_batch``, which calls the backend's ``init_forward_metadata`` once for the batch."""
@@ -603,19 +613,11 @@ class BackendConformance:
     @pytest.mark.parametrize(("num_heads", "num_kv_heads"), list(HEAD_LAYOUTS.values()), ids=list(HEAD_LAYOUTS))
     def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
         runner = self._runner(num_heads=num_heads, num_kv_heads=num_kv_heads)
-        r0, r1 = runner.new_request(), runner.new_request()
-        label = f"{num_heads} query heads / {num_kv_heads} KV heads"
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 19), (r1, 0, 6)], f"{label}: extend")
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 19, 5), (r1, 6, 2)], f"{label}: extend with cached prefix")
-        self._forward(runner, ForwardMode.DECODE, [(r0, 24, 1), (r1, 8, 1)], f"{label}: decode")
+        self._extend_twice_then_decode(runner, (19, 6), (5, 2), f"{num_heads} query heads / {num_kv_heads} KV heads:")
 
     def test_bfloat16(self) -> None:
         self._require_dtype(torch.bfloat16)
-        runner = self._runner(dtype=torch.bfloat16)
-        r0, r1 = runner.new_request(), runner.new_request()
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 24), (r1, 0, 7)], "bfloat16 extend")
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 24, 6), (r1, 7, 3)], "bfloat16 extend with cached prefix")
-        self._forward(runner, ForwardMode.DECODE, [(r0, 30, 1), (r1, 10, 1)], "bfloat16 decode")
+        self._extend_twice_then_decode(self._runner(dtype=torch.bfloat16), (24, 7), (6, 3), "bfloat16")
 
     def test_declared_capabilities_are_valid_and_hold(self) -> None:
         """What a backend declares, engines act on (dtypes, head dims, CUDA graphs), so the kit checks it."""
@@ -640,12 +642,8 @@ class BackendConformance:
         head_dim = self._head_dim()
         for name in capabilities.dtypes:
             dtype = getattr(torch, name)
-            runner = self._runner(dtype=dtype)
-            r0, r1 = runner.new_request(), runner.new_request()
-            label = f"capabilities: declared {name}, head dim {head_dim}"
-            self._forward(runner, ForwardMode.EXTEND, [(r0, 0, 21), (r1, 0, 4)], f"{label}: extend")
-            self._forward(runner, ForwardMode.EXTEND, [(r0, 21, 5), (r1, 4, 3)], f"{label}: extend with cached prefix")
-            self._forward(runner, ForwardMode.DECODE, [(r0, 26, 1), (r1, 7, 1)], f"{label}: decode")
+            label = f"capabilities: declared {name}, head dim {head_dim}:"
+            self._extend_twice_then_decode(self._runner(dtype=dtype), (21, 4), (5, 3), label)
 
     # -- the cache --------------------------------------------------------------------
 

@@ -15,20 +15,13 @@ from __future__ import annotations
 
 __all__ = ["OVERRIDE_ENV", "register"]
 
+from attnhost.engines import require_engine
 from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
 
 
 def register() -> None:
     """SGLang's general-plugin entry point: register attnhost's backends and hooks with SGLang."""
-    import importlib.util
-
-    if importlib.util.find_spec("sglang") is None:
-        from attnhost.errors import AttnhostError
-
-        raise AttnhostError(
-            "attnhost's SGLang bridge was called but SGLang is not installed; install sglang, "
-            "or leave the entry point to SGLang's own plugin loader"
-        )
+    require_engine("sglang", "SGLang")
     from attnhost.engines.sglang.bridge import install
 
     install()

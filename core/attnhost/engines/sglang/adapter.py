@@ -283,17 +283,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                        forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
         return self._run("forward_decode", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def _run(
-        self,
-        method: str,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: RadixAttention,
-        forward_batch: SGLangBatch,
-        save_kv_cache: bool,
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    def _run(self, method: str, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
+             forward_batch: SGLangBatch, save_kv_cache: bool, kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
         batch = self._batch
         if batch is None or forward_batch is not self._sglang_batch:
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")

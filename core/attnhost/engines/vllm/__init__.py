@@ -16,20 +16,13 @@ from __future__ import annotations
 
 __all__ = ["OVERRIDE_ENV", "register"]
 
+from attnhost.engines import require_engine
 from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
 
 def register() -> None:
     """vLLM's general-plugin entry point: register attnhost's backends in ``AttentionBackendEnum``."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        from attnhost.errors import BackendUnavailableError
-
-        raise BackendUnavailableError(
-            "attnhost.engines.vllm.register() is vLLM's plugin hook, but vLLM is not installed; "
-            "install vllm, or do not call it (attnhost itself never does)"
-        )
+    require_engine("vllm", "vLLM")
     from attnhost.engines.vllm.bridge import install
 
     install()
