@@ -133,7 +133,8 @@ def test_decode_after_prefill(heads: int, kv_heads: int) -> None:
 @pytest.mark.parametrize("chunk_rows", [1 << 16, 64, 1])
 def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chunk_rows: int) -> None:
     """Decode sorts requests by length into padded chunks: one chunk, several, or a request each."""
-    monkeypatch.setattr(torch_native, "_MAX_DECODE_CHUNK_ROWS", chunk_rows)
+    row_bytes = 2 * HEAD_DIM * 4  # a float32 cache row: 2 KV heads
+    monkeypatch.setattr(torch_native, "_DECODE_CHUNK_BYTES", 2 * chunk_rows * row_bytes)
     torch.manual_seed(11)
     pool = make_pool(2)
     layer = AttentionLayer(0, 8, 2, HEAD_DIM)
@@ -144,8 +145,7 @@ def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chun
     for step in range(2):  # the second step reads slots that are no longer one run
         decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
         out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
-        chunks = backend._plan.decode_chunks  # type: ignore[union-attr]
-        assert chunks is not None
+        chunks = backend._plan.chunks[row_bytes]  # type: ignore[union-attr]
         expected_chunks = {1 << 16: 1, 64: None, 1: len(lens)}[chunk_rows]
         assert expected_chunks is None or len(chunks) == expected_chunks
         assert sum(chunk.count for chunk in chunks) == len(lens)

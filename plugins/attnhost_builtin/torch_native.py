@@ -48,9 +48,10 @@ _CAUSAL_MIN_TOKENS = 256
 # Largest folded mask (elements) worth materialising; beyond it the unfolded
 # [tokens, seq] mask with enable_gqa costs the same compute and less memory.
 _MAX_FOLDED_MASK = 1 << 25
-# Key rows one decode chunk gathers (per K and per V): bounds the scratch memory of a big batch, while
-# a chunk still holds enough requests to amortise the per-call cost. A longer request is a chunk alone.
-_MAX_DECODE_CHUNK_ROWS = 1 << 16
+# Bytes of K and V one decode chunk gathers. Small enough that the gathered rows are still in cache when
+# SDPA reads them (a 128 MB chunk ran 1.4x slower than one request at a time), large enough that a chunk
+# holds several requests of a small model. A request larger than this is a chunk alone.
+_DECODE_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -148,23 +149,36 @@ class _DecodeChunk:
 class _BatchPlan:
     batch: ForwardBatch
     requests: list[_RequestPlan]
-    decode_chunks: list[_DecodeChunk] | None = None
-    """Set when every request brings one token (unless one request reads a view): how they are attended."""
+    decode_table: tuple[torch.Tensor, list[int]] | None = None
+    """Set when every request brings one token (unless one request reads a view): the slot table and the
+    requests' rows in it, from which the decode chunks are planned."""
     longest_gather: int = 0
-    """Rows the largest gather writes (0: nothing is gathered); sizes the scratch."""
+    """Rows of the longest fragmented request (0: nothing is gathered); sizes the extend scratch."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
+    chunks: dict[int, list[_DecodeChunk]] = field(default_factory=dict)
+    """Decode chunks by the bytes of one cache row: planned on the first layer, reused by the rest."""
 
-    def gather_scratch(self, buffer: torch.Tensor, role: int) -> torch.Tensor | None:
-        """A tensor big enough for the longest fragmented request's rows, or None if none is fragmented."""
-        longest = self.longest_gather
-        if not longest:
+    def gather_scratch(self, buffer: torch.Tensor, role: int, rows: int | None = None) -> torch.Tensor | None:
+        """A tensor of at least ``rows`` rows (default: the longest fragmented request's), or None for none."""
+        rows = self.longest_gather if rows is None else rows
+        if not rows:
             return None
         key = (role, buffer.dtype, buffer.device, tuple(buffer.shape[1:]))
         scratch = self.scratch.get(key)
-        if scratch is None:
-            scratch = self.scratch[key] = buffer.new_empty((longest, *buffer.shape[1:]))
+        if scratch is None or len(scratch) < rows:
+            scratch = self.scratch[key] = buffer.new_empty((rows, *buffer.shape[1:]))
         return scratch
+
+    def decode_chunks(self, buffer: torch.Tensor) -> list[_DecodeChunk]:
+        """This decode batch in chunks sized for ``buffer``'s rows; layers with the same row size share them."""
+        row_bytes = buffer[0].numel() * buffer.element_size()
+        chunks = self.chunks.get(row_bytes)
+        if chunks is None:
+            assert self.decode_table is not None
+            table, rows = self.decode_table
+            chunks = self.chunks[row_bytes] = _decode_chunks(table, rows, self.requests, row_bytes)
+        return chunks
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -190,8 +204,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         ]
         lone_view = len(plans) == 1 and plans[0].kv_run is not None  # nothing to gather: a view is cheaper
         if plans and not lone_view and all(plan.q_len == 1 for plan in plans):
-            chunks = _decode_chunks(table, rows, plans)
-            self._plan = _BatchPlan(forward_batch, plans, chunks, max(c.count * c.width for c in chunks))
+            self._plan = _BatchPlan(forward_batch, plans, (table, rows))
         else:
             longest = max((plan.seq_len for plan in plans if plan.kv_run is None), default=0)
             self._plan = _BatchPlan(forward_batch, plans, None, longest)
@@ -205,15 +218,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
         q = q.view(-1, layer.num_heads, layer.head_dim)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
-        if plan.decode_chunks is None and len(plan.requests) == 1:
+        if plan.decode_table is not None:
+            return _decode(q, k_buffer, v_buffer, plan, layer)
+        if len(plan.requests) == 1:
             # SDPA's CPU flash kernel already lays its output out token-major,
             # so a lone request needs no copy into an output buffer.
             req = plan.requests[0]
             return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
         k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
-        if plan.decode_chunks is not None:
-            assert k_scratch is not None and v_scratch is not None
-            return _decode(q, k_buffer, v_buffer, k_scratch, v_scratch, layer, plan.decode_chunks)
         # Requests are laid out in order in q, so their outputs are concatenated once at the
         # end (one kernel) rather than copied into an output tensor one by one. SDPA's
         # outputs are fresh tensors, so reusing the gather scratch for the next request is safe.
@@ -257,17 +269,19 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
     )
 
 
-def _decode_chunks(table: torch.Tensor, rows: list[int], plans: list[_RequestPlan]) -> list[_DecodeChunk]:
+def _decode_chunks(
+    table: torch.Tensor, rows: list[int], plans: list[_RequestPlan], row_bytes: int
+) -> list[_DecodeChunk]:
     """Group a decode batch's requests into chunks of similar length, each gathered and attended at once.
 
     Sorting by length keeps the padding small when lengths differ; a chunk
-    closes when its padded rows would pass ``_MAX_DECODE_CHUNK_ROWS``.
+    closes when its padded K and V rows would pass ``_DECODE_CHUNK_BYTES``.
     """
     order = sorted(range(len(plans)), key=lambda i: plans[i].seq_len)
     groups: list[list[int]] = [[]]
     for i in order:
         group = groups[-1]
-        if group and (len(group) + 1) * plans[i].seq_len > _MAX_DECODE_CHUNK_ROWS:
+        if group and 2 * (len(group) + 1) * plans[i].seq_len * row_bytes > _DECODE_CHUNK_BYTES:
             groups.append(group := [])
         group.append(i)
     chunks = []
@@ -296,13 +310,7 @@ def _decode_chunks(table: torch.Tensor, rows: list[int], plans: list[_RequestPla
 
 
 def _decode(
-    q: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    k_scratch: torch.Tensor,
-    v_scratch: torch.Tensor,
-    layer: AttentionLayer,
-    chunks: list[_DecodeChunk],
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer
 ) -> torch.Tensor:
     """Decode: one query per request and every key visible, so a chunk is one gather and one SDPA call.
 
@@ -312,6 +320,10 @@ def _decode(
     """
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
     queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
+    chunks = plan.decode_chunks(k_buffer)
+    most = max(chunk.count * chunk.width for chunk in chunks)
+    k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0, most), plan.gather_scratch(v_buffer, 1, most)
+    assert k_scratch is not None and v_scratch is not None
     convert = k_buffer.dtype != q.dtype
     out = None if len(chunks) == 1 and isinstance(chunks[0].rows, slice) else torch.empty_like(queries)
     for chunk in chunks:
