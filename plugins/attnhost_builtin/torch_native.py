@@ -48,9 +48,9 @@ _CAUSAL_MIN_TOKENS = 256
 # Largest folded mask (elements) worth materialising; beyond it the unfolded
 # [tokens, seq] mask with enable_gqa costs the same compute and less memory.
 _MAX_FOLDED_MASK = 1 << 25
-# Bytes of K and V one decode chunk gathers. Small enough that the gathered rows are still in cache when
-# SDPA reads them (a 128 MB chunk ran 1.4x slower than one request at a time), large enough that a chunk
-# holds several requests of a small model. A request larger than this is a chunk alone.
+# Bytes of K and V one decode chunk gathers: small enough that the gathered rows are still in cache when
+# SDPA reads them, large enough that a chunk holds several requests of a small model (BENCHMARKS.md,
+# "What made it fast"). A request larger than this is a chunk alone.
 _DECODE_CHUNK_BYTES = 8 << 20
 
 

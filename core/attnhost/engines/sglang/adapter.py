@@ -293,7 +293,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             raise self._refuse(f"the extra attention arguments {extra} (layer {layer.layer_id})")
         attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer)
         q3 = q.view(-1, attnhost_layer.num_heads, attnhost_layer.head_dim)
-        tokens = len(q3)
+        tokens = q3.shape[0]
         if tokens != batch.num_new_tokens:
             raise self._refuse(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
         if save_kv_cache and (k is None or v is None):
