@@ -145,7 +145,7 @@ def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chun
     for step in range(2):  # the second step reads slots that are no longer one run
         decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
         out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
-        chunks = backend._plan.chunks[row_bytes]  # type: ignore[union-attr]
+        chunks, _ = backend._plan.chunks[row_bytes]  # type: ignore[union-attr]
         expected_chunks = {1 << 16: 1, 64: None, 1: len(lens)}[chunk_rows]
         assert expected_chunks is None or len(chunks) == expected_chunks
         assert sum(chunk.count for chunk in chunks) == len(lens)

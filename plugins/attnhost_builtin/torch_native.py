@@ -156,8 +156,8 @@ class _BatchPlan:
     """Rows of the longest fragmented request (0: nothing is gathered); sizes the extend scratch."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
-    chunks: dict[int, list[_DecodeChunk]] = field(default_factory=dict)
-    """Decode chunks by the bytes of one cache row: planned on the first layer, reused by the rest."""
+    chunks: dict[int, tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
+    """Decode chunks and their largest row count, by the bytes of one cache row."""
 
     def gather_scratch(self, buffer: torch.Tensor, role: int, rows: int | None = None) -> torch.Tensor | None:
         """A tensor of at least ``rows`` rows (default: the longest fragmented request's), or None for none."""
@@ -170,15 +170,20 @@ class _BatchPlan:
             scratch = self.scratch[key] = buffer.new_empty((rows, *buffer.shape[1:]))
         return scratch
 
-    def decode_chunks(self, buffer: torch.Tensor) -> list[_DecodeChunk]:
-        """This decode batch in chunks sized for ``buffer``'s rows; layers with the same row size share them."""
-        row_bytes = buffer[0].numel() * buffer.element_size()
-        chunks = self.chunks.get(row_bytes)
-        if chunks is None:
+    def decode_chunks(self, buffer: torch.Tensor) -> tuple[list[_DecodeChunk], int]:
+        """This decode batch in chunks sized for ``buffer``'s rows, and the rows of the largest chunk.
+
+        Layers with the same row size share them, so the first layer plans and the rest look up.
+        """
+        _, heads, dim = buffer.shape
+        row_bytes = heads * dim * buffer.element_size()
+        planned = self.chunks.get(row_bytes)
+        if planned is None:
             assert self.decode_table is not None
             table, rows = self.decode_table
-            chunks = self.chunks[row_bytes] = _decode_chunks(table, rows, self.requests, row_bytes)
-        return chunks
+            chunks = _decode_chunks(table, rows, self.requests, row_bytes)
+            planned = self.chunks[row_bytes] = (chunks, max(chunk.count * chunk.width for chunk in chunks))
+        return planned
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -320,8 +325,7 @@ def _decode(
     """
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
     queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
-    chunks = plan.decode_chunks(k_buffer)
-    most = max(chunk.count * chunk.width for chunk in chunks)
+    chunks, most = plan.decode_chunks(k_buffer)
     k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0, most), plan.gather_scratch(v_buffer, 1, most)
     assert k_scratch is not None and v_scratch is not None
     convert = k_buffer.dtype != q.dtype

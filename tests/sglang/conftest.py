@@ -77,19 +77,11 @@ def run_probe(
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama config (no weights): enough for SGLang's server-argument resolution."""
+    from sgl_tiny_model import LLAMA_SHAPE
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama-config")
-    LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(path)
+    LlamaConfig(**LLAMA_SHAPE, architectures=["LlamaForCausalLM"]).save_pretrained(path)
     return path
 
 

@@ -15,6 +15,16 @@ VOCAB = 1024
 SPECIAL = ("<s>", "</s>")
 SEED = 1234
 PROMPTS = ("The quick brown fox jumps over", "Attention is all")
+#: The tiny Llama's shape, shared by the weights built here and the weightless config the args tests use.
+LLAMA_SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 
 _SYLLABLES = "ka ri to mu sen la ve on ar qui dex zo pha tri el nu gor bi sa ten mo ul vy ash ren cor ti pa lo ex"
 _SYLLABLES += " um ba ne ra sho fi gel dro wen yi tas hol mir kev"
@@ -57,13 +67,7 @@ def build_model(out: Path, seed: int = SEED) -> None:
     build_tokenizer(out, seed)
     tok = AutoTokenizer.from_pretrained(out)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **LLAMA_SHAPE,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
