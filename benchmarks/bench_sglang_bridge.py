@@ -24,9 +24,11 @@ extend) and the adapter's overhead (target <= 3 %).
 The overhead is the adapter's own work per layer — measured by calling the
 adapter's ``forward_decode``/``forward_extend`` (what SGLang's ``forward``
 routes to) around a backend that returns at once, minus calling that
-backend directly — over the time of the direct ``torch_native`` call. On a
-shared machine, ``bridge / direct`` of two multi-millisecond calls moves by
-more than the few microseconds being measured; the no-op pair does not.
+backend directly — over the time of the direct ``torch_native`` call. The
+adapter keeps the path ``torch_native`` declared (``flat_heads``: SGLang's
+tensors passed through) with the no-op inside it. On a shared machine,
+``bridge / direct`` of two multi-millisecond calls moves by more than the
+few microseconds being measured; the no-op pair does not.
 """
 
 from __future__ import annotations

@@ -44,11 +44,11 @@ from attnhost import BackendSpec, hookimpl
 
 NAMES = (
     "correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global",
-    "uses_arguments", "layer_zero", "float32_only", "bad_half", "bad_caps",
+    "uses_arguments", "layer_zero", "float32_only", "bad_half", "bad_caps", "flat_heads", "flat_liar",
 )
 _CLASSES = (
     "Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal",
-    "UsesArguments", "LayerZero", "Float32Only", "BadHalf", "BadCaps",
+    "UsesArguments", "LayerZero", "Float32Only", "BadHalf", "BadCaps", "FlatHeads", "FlatLiar",
 )
 
 
@@ -161,6 +161,25 @@ class BadCaps(Correct):
     capabilities = {"dtypes": ("float32",)}
 
 
+class FlatHeads(Correct):
+    """Declares flat_heads and keeps to it: [T, heads * head_dim] in, the same out."""
+
+    capabilities = BackendCapabilities(flat_heads=True)
+
+    def _attend(self, q, k, v, layer, fb, save_kv_cache):
+        out = super()._attend(q.view(len(q), layer.num_heads, layer.head_dim), k, v, layer, fb, save_kv_cache)
+        return out.flatten(1) if q.dim() == 2 else out
+
+
+class FlatLiar(Correct):
+    """Declares flat_heads, then answers [T, heads, head_dim] anyway (the bug)."""
+
+    capabilities = BackendCapabilities(flat_heads=True)
+
+    def _attend(self, q, k, v, layer, fb, save_kv_cache):
+        return super()._attend(q.view(len(q), layer.num_heads, layer.head_dim), k, v, layer, fb, save_kv_cache)
+
+
 '''
 
 # The shorthand's class has no docstring, so inspect would describe it with AttentionBackend's.
@@ -250,6 +269,14 @@ class TestBadCaps(BackendConformance):
     backend_name = "bad_caps"
 
 
+class TestFlatHeads(BackendConformance):
+    backend_name = "flat_heads"
+
+
+class TestFlatLiar(BackendConformance):
+    backend_name = "flat_liar"
+
+
 class TestNoDocstring(BackendConformance):
     backend_name = "nodoc"
 
@@ -274,6 +301,7 @@ KIT_TESTS = (
     "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
     "test_bfloat16",
+    "test_flat_heads_layout",
     "test_declared_capabilities_are_valid_and_hold",
     "test_kv_lands_in_the_right_cache_slots",
     "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
@@ -375,7 +403,8 @@ def outcomes(results: dict[tuple[str, str], Outcome], cls: str) -> dict[str, Out
 
 
 def failed(results: dict[str, Outcome]) -> set[str]:
-    return {name for name, outcome in results.items() if outcome.status != "passed"}
+    """The tests that failed or errored; a skip (a capability not declared) is neither."""
+    return {name for name, outcome in results.items() if outcome.status in ("failed", "error")}
 
 
 def reported_error(message: str) -> float:
@@ -391,7 +420,8 @@ def test_kit_has_at_least_ten_tests() -> None:
 
 
 def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str], Outcome]) -> None:
-    assert failed(outcomes(kit_results, "TestCorrect")) == set()
+    results = outcomes(kit_results, "TestCorrect")
+    assert {name for name, outcome in results.items() if outcome.status != "passed"} == {"test_flat_heads_layout"}
 
 
 def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, str], Outcome]) -> None:
@@ -406,6 +436,17 @@ def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, st
         r"layer 0, request \d, token \d+ of \d+, head \d\)",
         results["test_extend_without_prefix"].message,
     )
+
+
+def test_kit_holds_a_backend_to_the_flat_heads_it_declares(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    assert outcomes(kit_results, "TestCorrect")["test_flat_heads_layout"].status == "skipped"
+    keeps = outcomes(kit_results, "TestFlatHeads")
+    assert {outcome.status for outcome in keeps.values()} == {"passed"}
+    liar = outcomes(kit_results, "TestFlatLiar")
+    assert failed(liar) == {"test_flat_heads_layout"}
+    assert liar["test_flat_heads_layout"].message.startswith(
+        "flat_heads: extend: output shape (25, 8, 32) for a [tokens, num_heads * head_dim] query, expected (25, 256)"
+    ), liar["test_flat_heads_layout"].message
 
 
 def test_kit_fails_kv_written_to_the_wrong_slot(kit_results: dict[tuple[str, str], Outcome]) -> None:
@@ -510,10 +551,10 @@ def test_kit_fails_a_shorthand_class_without_its_own_docstring(kit_results: dict
 def test_kit_checks_declared_capabilities(kit_results: dict[tuple[str, str], Outcome]) -> None:
     caps = "test_declared_capabilities_are_valid_and_hold"
     only32 = outcomes(kit_results, "TestFloat32Only")
-    assert failed(only32) == {"test_bfloat16"} and only32["test_bfloat16"].status == "skipped"
+    assert failed(only32) == set() and only32["test_bfloat16"].status == "skipped"
     assert "does not declare bfloat16" in only32["test_bfloat16"].message
     half = outcomes(kit_results, "TestBadHalf")
-    assert failed(half) == {caps, "test_bfloat16"}, failed(half)
+    assert failed(half) == {caps} and half["test_bfloat16"].status == "skipped", failed(half)
     assert half[caps].message.startswith("capabilities: declared float16, head dim 32: extend: max abs error")
     bad = outcomes(kit_results, "TestBadCaps")
     assert failed(bad) == {caps}

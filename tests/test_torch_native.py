@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -145,11 +146,61 @@ def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chun
     for step in range(2):  # the second step reads slots that are no longer one run
         decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
         out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
-        chunks, _ = backend._plan.chunks[row_bytes]  # type: ignore[union-attr]
+        chunks, _ = backend._plan.chunks[2, row_bytes, True]  # type: ignore[union-attr]
         expected_chunks = {1 << 16: 1, 64: None, 1: len(lens)}[chunk_rows]
         assert expected_chunks is None or len(chunks) == expected_chunks
         assert sum(chunk.count for chunk in chunks) == len(lens)
         assert max_error(out, q, layer, batch) < F32_TOL
+
+
+class _HeadSlicedCache:
+    """A KV cache whose buffers are the first heads of wider tensors: strided views with no flat row view."""
+
+    def __init__(self, pool: KVPool, kv_heads: int) -> None:
+        self.pool, self.kv_heads = pool, kv_heads
+        self.device, self.dtype, self.req_to_token = pool.device, pool.dtype, pool.req_to_token
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.pool.k_buffer(layer_id)[:, : self.kv_heads]
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.pool.v_buffer(layer_id)[:, : self.kv_heads]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffer(layer_id).index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer(layer_id).index_copy_(0, loc, v.to(self.dtype))
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("lens", [[70], [70, 9, 33]])
+def test_decode_gathers_lone_requests_head_major(
+    monkeypatch: pytest.MonkeyPatch, lens: list[int], sliced: bool
+) -> None:
+    """A chunk of one request gathers head-major rows, unless the cache's strides allow no such view."""
+    monkeypatch.setattr(torch_native, "_DECODE_CHUNK_BYTES", 1)  # a request per chunk
+    torch.manual_seed(12)
+    pool = make_pool(4 if sliced else 2)
+    layer = AttentionLayer(0, 8, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+
+    def step(mode: ForwardMode, requests: list[tuple[int, int, int]]) -> tuple[torch.Tensor, ...]:
+        batch = ForwardBatch.prepare(pool, mode, requests)
+        if sliced:
+            batch = dataclasses.replace(batch, kv_pool=_HeadSlicedCache(pool, 2))
+        backend.init_forward_metadata(batch)
+        q, k, v = new_tokens(batch, layer)
+        return backend.forward(q, k, v, layer, batch), q
+
+    reqs = alloc(pool, len(lens))
+    for r, n in zip(reqs, lens, strict=True):
+        step(ForwardMode.EXTEND, [(r, 0, n)])
+    pool.req_to_token[reqs[0], : lens[0]] = pool.req_to_token[reqs[0], : lens[0]].flip(0)  # fragmented
+    out, q = step(ForwardMode.DECODE, [(r, n, 1) for r, n in zip(reqs, lens, strict=True)])
+    plan = backend._plan
+    assert plan is not None
+    chunks, _ = plan.chunks[2, 2 * HEAD_DIM * 4, not sliced]
+    assert [chunk.head_major for chunk in chunks] == [not sliced] * len(lens)
+    assert max_error(out, q, layer, plan.batch) < F32_TOL
 
 
 def test_mixed_batch_of_different_lengths() -> None:

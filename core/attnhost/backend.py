@@ -72,8 +72,14 @@ class BackendCapabilities:
     dtypes: tuple[str, ...] = FLOAT_DTYPES
     head_dims: tuple[int, ...] = ()
     cuda_graph: bool = False
+    flat_heads: bool = False
+    """Also takes ``q`` as ``[T, num_heads * head_dim]`` and then returns ``[T, num_heads * head_dim]``: SGLang's
+    own layout, which the bridge then passes through instead of paying a view each way per layer."""
 
     def __post_init__(self) -> None:
+        for flag in ("cuda_graph", "flat_heads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"BackendCapabilities.{flag} must be True or False, got {getattr(self, flag)!r}")
         dtypes, head_dims = self.dtypes, self.head_dims
         if isinstance(dtypes, str) or not dtypes or not all(isinstance(d, str) and d for d in dtypes):
             raise ValueError(f"BackendCapabilities.dtypes must be dtype names such as 'float16', got {dtypes!r}")

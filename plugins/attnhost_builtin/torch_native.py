@@ -7,7 +7,9 @@ choices shape the code:
 
 * The cache is token-major (``[slot, kv_head, dim]``).  An extending request
   whose slots form one ascending run is read through a zero-copy view; only
-  fragmented requests pay for a gather.
+  fragmented requests pay for a gather, and a request gathered alone is
+  gathered head-major (``_head_rows``), the way SDPA then splits it between
+  threads.
 * Decode batches are attended in chunks, not request by request: each
   chunk's key rows are gathered with one ``index_select`` (requests sorted
   by length and padded, the padding masked) and attended with one batched
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -64,14 +66,17 @@ class _RequestPlan:
     seq_len: int
     kv_run: tuple[int, int] | None  # contiguous slot range, read as a view
     kv_index: torch.Tensor | None  # gather indices when the slots are fragmented
+    head_index: dict[int, torch.Tensor] = field(default_factory=dict)
+    """``kv_index`` as head-major rows (``_head_rows``), by KV head count; built on the first layer."""
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
     recipes: dict[int, tuple[bool, bool, torch.Tensor | None]] = field(default_factory=dict)
     """(folds, is_causal, mask) by GQA group size: decided on the first layer, reused by the rest."""
 
-    def keys(self, buffer: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
-        """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer.
+    def keys(self, buffer: torch.Tensor, rows: torch.Tensor | None, scratch: torch.Tensor | None) -> torch.Tensor:
+        """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer (``rows``: its ``_head_rows``).
 
         A contiguous request is a zero-copy view. A fragmented one is gathered
+        (head-major when ``rows`` allows, as SDPA splits a request by head)
         into ``scratch``: one tensor per batch, reused by every request in
         turn and by every layer, so it stays hot in cache and no multi-MB
         allocation (page faults) happens per request per layer.
@@ -79,9 +84,15 @@ class _RequestPlan:
         if self.kv_run is not None:
             return buffer[self.kv_run[0] : self.kv_run[1]]
         assert self.kv_index is not None
-        if scratch is None:
-            return buffer.index_select(0, self.kv_index)
-        return torch.index_select(buffer, 0, self.kv_index, out=scratch[: self.seq_len])
+        out = None if scratch is None else scratch[: self.seq_len]
+        if rows is None:
+            return torch.index_select(buffer, 0, self.kv_index, out=out)
+        _, heads, dim = buffer.shape
+        index = self.head_index.get(heads)
+        if index is None:
+            index = self.head_index[heads] = _head_major(self.kv_index.view(1, -1), heads)
+        gathered = torch.index_select(rows, 0, index, out=None if out is None else out.view(-1, dim))
+        return gathered.view(heads, self.seq_len, dim).transpose(0, 1)
 
     def uses_is_causal(self, group: int) -> bool:
         """Whether SDPA's top-left ``is_causal`` is exact here (square, no prefix) and cheaper."""
@@ -128,7 +139,11 @@ class _DecodeChunk:
     """Decode requests attended by one SDPA call: where they sit in the batch, their padded key slots."""
 
     rows: slice | torch.Tensor  # the requests' positions in the batch: a slice when consecutive
-    slots: torch.Tensor  # [count * width] cache slots; a shorter request repeats its last slot
+    index: torch.Tensor
+    """What one ``index_select`` gathers: ``[count, width]`` slots (a shorter request repeats its last slot),
+    or, when ``head_major``, one request's ``[kv_heads, width]`` rows of the cache viewed as
+    ``[slot * kv_heads + head, dim]`` (see ``_head_rows``)."""
+    head_major: bool
     count: int
     width: int  # the longest request's keys
     padding: torch.Tensor | None  # [count, 1, 1, width], True where a key is padding; None when there is none
@@ -156,8 +171,9 @@ class _BatchPlan:
     """Rows of the longest fragmented request (0: nothing is gathered); sizes the extend scratch."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
-    chunks: dict[int, tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
-    """Decode chunks and their largest row count, by the bytes of one cache row."""
+    chunks: dict[tuple[int, int, bool], tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
+    """Decode chunks and their largest slot count, by (kv heads, bytes of one cache row, whether the cache
+    has head-major rows)."""
 
     def gather_scratch(self, buffer: torch.Tensor, role: int, rows: int | None = None) -> torch.Tensor | None:
         """A tensor of at least ``rows`` rows (default: the longest fragmented request's), or None for none."""
@@ -170,24 +186,27 @@ class _BatchPlan:
             scratch = self.scratch[key] = buffer.new_empty((rows, *buffer.shape[1:]))
         return scratch
 
-    def decode_chunks(self, buffer: torch.Tensor) -> tuple[list[_DecodeChunk], int]:
-        """This decode batch in chunks sized for ``buffer``'s rows, and the rows of the largest chunk.
+    def decode_chunks(self, buffer: torch.Tensor, head_major: bool) -> tuple[list[_DecodeChunk], int]:
+        """This decode batch in chunks sized for ``buffer``'s rows, and the slots of the largest chunk.
 
-        Layers with the same row size share them, so the first layer plans and the rest look up.
+        Layers with the same row shape share them, so the first layer plans and the rest look up.
         """
         _, heads, dim = buffer.shape
-        row_bytes = heads * dim * buffer.element_size()
-        planned = self.chunks.get(row_bytes)
+        key = (heads, heads * dim * buffer.element_size(), head_major)
+        planned = self.chunks.get(key)
         if planned is None:
             assert self.decode_table is not None
             table, rows = self.decode_table
-            chunks = _decode_chunks(table, rows, self.requests, row_bytes)
-            planned = self.chunks[row_bytes] = (chunks, max(chunk.count * chunk.width for chunk in chunks))
+            chunks = _decode_chunks(table, rows, self.requests, key[1], heads if head_major else 0)
+            planned = self.chunks[key] = (chunks, max(chunk.count * chunk.width for chunk in chunks))
         return planned
 
 
 class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
+
+    # Every path views q itself anyway, so SGLang's [T, heads * dim] layout costs nothing extra.
+    capabilities = BackendCapabilities(flat_heads=True)
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
@@ -219,33 +238,40 @@ class TorchNativeAttnBackend(AttentionBackend):
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
         if save_kv_cache:
-            kv_shape = (-1, layer.num_kv_heads, layer.head_dim)
-            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k.view(kv_shape), v.view(kv_shape))
-        q = q.view(-1, layer.num_heads, layer.head_dim)
+            if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
+                k, v = (t.view(-1, layer.num_kv_heads, layer.head_dim) for t in (k, v))
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        flat = q.dim() == 2  # [T, heads * dim] in, the same out (capabilities.flat_heads)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
         if plan.decode_table is not None:
-            return _decode(q, k_buffer, v_buffer, plan, layer)
+            return _decode(q, k_buffer, v_buffer, plan, layer, flat)
+        if flat:
+            q = q.view(-1, layer.num_heads, layer.head_dim)
+        k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if plan.longest_gather else (None, None)
         if len(plan.requests) == 1:
             # SDPA's CPU flash kernel already lays its output out token-major,
             # so a lone request needs no copy into an output buffer.
             req = plan.requests[0]
-            return _attend_request(q, req.keys(k_buffer, None), req.keys(v_buffer, None), layer, req).contiguous()
+            keys, values = req.keys(k_buffer, k_rows, None), req.keys(v_buffer, v_rows, None)
+            out = _attend_request(q, keys, values, layer, req)
+            return out.reshape(-1, layer.num_heads * layer.head_dim) if flat else out.contiguous()
         k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0), plan.gather_scratch(v_buffer, 1)
         # Requests are laid out in order in q, so their outputs are concatenated once at the
         # end (one kernel) rather than copied into an output tensor one by one. SDPA's
         # outputs are fresh tensors, so reusing the gather scratch for the next request is safe.
-        return torch.cat(
+        out = torch.cat(
             [
                 _attend_request(
                     q[req.q_start : req.q_start + req.q_len],
-                    req.keys(k_buffer, k_scratch),
-                    req.keys(v_buffer, v_scratch),
+                    req.keys(k_buffer, k_rows, k_scratch),
+                    req.keys(v_buffer, v_rows, v_scratch),
                     layer,
                     req,
                 )
                 for req in plan.requests
             ]
         )
+        return out.view(-1, layer.num_heads * layer.head_dim) if flat else out
 
     def _plan_for(self, forward_batch: ForwardBatch) -> _BatchPlan:
         plan = self._plan
@@ -275,12 +301,14 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
 
 
 def _decode_chunks(
-    table: torch.Tensor, rows: list[int], plans: list[_RequestPlan], row_bytes: int
+    table: torch.Tensor, rows: list[int], plans: list[_RequestPlan], row_bytes: int, head_major_heads: int
 ) -> list[_DecodeChunk]:
     """Group a decode batch's requests into chunks of similar length, each gathered and attended at once.
 
     Sorting by length keeps the padding small when lengths differ; a chunk
     closes when its padded K and V rows would pass ``_DECODE_CHUNK_BYTES``.
+    Given ``head_major_heads``, a chunk of one request indexes one head's
+    row at a time (see ``_head_rows``).
     """
     order = sorted(range(len(plans)), key=lambda i: plans[i].seq_len)
     groups: list[list[int]] = [[]]
@@ -292,20 +320,24 @@ def _decode_chunks(
     chunks = []
     for group in groups:
         width = plans[group[-1]].seq_len
-        slots = torch.empty((len(group), width), dtype=table.dtype, device=table.device)
+        slots = torch.empty((len(group), width), dtype=torch.int64, device=table.device)
         padding = torch.zeros((len(group), 1, 1, width), dtype=torch.bool, device=table.device)
         for n, i in enumerate(group):
             seq_len = plans[i].seq_len
             slots[n, :seq_len] = table[rows[i], :seq_len]
             slots[n, seq_len:] = slots[n, seq_len - 1]
             padding[n, ..., seq_len:] = True
+        head_major = bool(head_major_heads) and len(group) == 1
+        if head_major:
+            slots = _head_major(slots, head_major_heads)
         consecutive = group == list(range(group[0], group[0] + len(group)))
         chunks.append(
             _DecodeChunk(
                 rows=slice(group[0], group[0] + len(group))
                 if consecutive
                 else torch.tensor(group, device=table.device),
-                slots=slots.view(-1),
+                index=slots.view(-1),
+                head_major=head_major,
                 count=len(group),
                 width=width,
                 padding=padding if plans[group[0]].seq_len != width else None,
@@ -314,41 +346,71 @@ def _decode_chunks(
     return chunks
 
 
+def _head_major(slots: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[n, width]`` slots as the ``[n, heads, width]`` row numbers of ``_head_rows``, flattened."""
+    per_head = torch.arange(heads, dtype=torch.int64, device=slots.device).view(1, -1, 1)
+    return (slots.to(torch.int64).unsqueeze(1) * heads + per_head).view(-1)
+
+
+def _head_rows(buffer: torch.Tensor) -> torch.Tensor | None:
+    """``buffer`` (``[slots, kv_heads, dim]``) as ``[slots * kv_heads, dim]`` rows, or None if no view allows it.
+
+    A lone request's keys are gathered through it in head-major order: SDPA
+    splits one request between threads by KV head, and the gather then splits
+    the same way, so each thread reads back rows it wrote itself. Gathered
+    token-major, half of every head is written by the other core, and on two
+    threads fetching it cost as much as the gather and SDPA together
+    (BENCHMARKS.md, "SGLang bridge"). A chunk of several requests is split by
+    request in both, so it stays token-major: fewer, longer row copies.
+    """
+    slots, heads, dim = buffer.shape
+    if heads > 1 and buffer.stride(0) != heads * buffer.stride(1):
+        return None  # e.g. a cache whose heads are a slice of a wider tensor
+    return buffer.view(slots * heads, dim)
+
+
 def _decode(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer
+    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer, flat: bool
 ) -> torch.Tensor:
     """Decode: one query per request and every key visible, so a chunk is one gather and one SDPA call.
 
     The queries are viewed GQA-folded (``[requests, kv_heads, q_per_kv,
-    dim]``, q's own memory order), so SDPA sees a plain multi-head problem
-    whose batch is the chunk's requests.
+    dim]``, q's own memory order, from either of its layouts), so SDPA sees
+    a plain multi-head problem whose batch is the chunk's requests.
     """
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
+    shape = (-1, layer.num_heads * dim) if flat else (-1, layer.num_heads, dim)
     queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
-    chunks, most = plan.decode_chunks(k_buffer)
+    k_rows, v_rows = _head_rows(k_buffer), _head_rows(v_buffer)
+    chunks, most = plan.decode_chunks(k_buffer, k_rows is not None and v_rows is not None)
     k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0, most), plan.gather_scratch(v_buffer, 1, most)
     assert k_scratch is not None and v_scratch is not None
     convert = k_buffer.dtype != q.dtype
     out = None if len(chunks) == 1 and isinstance(chunks[0].rows, slice) else torch.empty_like(queries)
     for chunk in chunks:
         count, width = chunk.count, chunk.width
-        rows = count * width
-        keys = torch.index_select(k_buffer, 0, chunk.slots, out=k_scratch[:rows])
-        values = torch.index_select(v_buffer, 0, chunk.slots, out=v_scratch[:rows])
-        keys = keys.view(count, width, kv_heads, dim).transpose(1, 2)
-        values = values.view(count, width, kv_heads, dim).transpose(1, 2)
+        k_out, v_out = k_scratch[: count * width], v_scratch[: count * width]
+        if chunk.head_major:
+            assert k_rows is not None and v_rows is not None
+            keys = torch.index_select(k_rows, 0, chunk.index, out=k_out.view(-1, dim)).view(1, kv_heads, width, dim)
+            values = torch.index_select(v_rows, 0, chunk.index, out=v_out.view(-1, dim)).view(1, kv_heads, width, dim)
+        else:
+            keys = torch.index_select(k_buffer, 0, chunk.index, out=k_out)
+            values = torch.index_select(v_buffer, 0, chunk.index, out=v_out)
+            keys = keys.view(count, width, kv_heads, dim).transpose(1, 2)
+            values = values.view(count, width, kv_heads, dim).transpose(1, 2)
         if convert:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         mine = queries[chunk.rows] if isinstance(chunk.rows, slice) else queries.index_select(0, chunk.rows)
         o = F.scaled_dot_product_attention(mine, keys, values, attn_mask=chunk.mask(q.dtype), scale=layer.scaling)
         if out is None:
-            return o.view(-1, layer.num_heads, dim)
+            return o.view(shape)
         if isinstance(chunk.rows, slice):
             out[chunk.rows] = o
         else:
             out.index_copy_(0, chunk.rows, o)
     assert out is not None
-    return out.view(-1, layer.num_heads, dim)
+    return out.view(shape)
 
 
 def _attend_request(

@@ -16,6 +16,7 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()
 
+from attnhost_tiny import TinyAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (  # noqa: E402
@@ -24,7 +25,9 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
     make_dense_cases,
 )
 
+from attnhost import BackendCapabilities  # noqa: E402
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend, UnsupportedFeatureError  # noqa: E402
+from attnhost_builtin.torch_native import TorchNativeAttnBackend  # noqa: E402
 
 
 class _KitCase(unittest.TestCase):
@@ -100,6 +103,42 @@ def test_cuda_graph_capture_is_refused_with_the_way_out() -> None:
         backend.init_cuda_graph_state(8, 64)
     with pytest.raises(UnsupportedFeatureError, match="CUDA-graph capture"):
         backend.init_forward_metadata_out_graph(None, in_capture=True)
+
+
+def _adapter_declaring(fixture, factory: type, flat_heads: bool) -> SGLangAdapterBackend:  # type: ignore[no-untyped-def]
+    """An adapter over ``factory`` as the bridge builds it, with ``flat_heads`` declared as given."""
+    return SGLangAdapterBackend(
+        fixture.runner,
+        engine_name="flat_probe",
+        attnhost_name="flat_probe",
+        origin="plugin 'probe'",
+        factory=factory,
+        capabilities=BackendCapabilities(flat_heads=flat_heads),
+    )
+
+
+def test_flat_heads_passes_sglangs_layout_through_and_computes_the_same() -> None:
+    fixture = _fixture()
+    q, k, v = _qkv(fixture)
+    outputs = []
+    for flat_heads in (True, False):
+        adapter = _adapter_declaring(fixture, TorchNativeAttnBackend, flat_heads)
+        adapter.init_forward_metadata(fixture.forward_batch)
+        outputs.append(adapter.forward(q, k, v, fixture.actual_module.attn, fixture.forward_batch, save_kv_cache=False))
+    assert outputs[0].shape == outputs[1].shape == q.shape
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+
+
+def test_a_backend_that_breaks_its_flat_heads_declaration_is_named() -> None:
+    """A [T, heads, head_dim] answer after declaring flat_heads: one clear error, not a shape error in o_proj."""
+    fixture = _fixture()
+    liar = _adapter_declaring(fixture, TinyAttnBackend, True)  # the example answers [T, heads, head_dim]
+    liar.init_forward_metadata(fixture.forward_batch)
+    q, k, v = _qkv(fixture)
+    with pytest.raises(
+        RuntimeError, match=r"attnhost backend 'flat_probe' \(plugin 'probe'\).* declares flat_heads but returned shape"
+    ):
+        liar.forward(q, k, v, fixture.actual_module.attn, fixture.forward_batch)
 
 
 def test_an_idle_batch_gives_an_empty_result() -> None:

@@ -148,6 +148,7 @@ class BackendConformance:
     name: str
     entry: BackendEntry
     _generator: torch.Generator
+    _flat_queries = False  # test_flat_heads_layout: queries as [T, heads * head_dim]
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -292,11 +293,24 @@ class BackendConformance:
         expected_v = pool.v_buffer(layer.layer_id).clone()
         expected_k[batch.out_cache_loc] = k.to(pool.dtype)
         expected_v[batch.out_cache_loc] = v.to(pool.dtype)
-        out = self._call(runner, q, k, v, layer, batch, what)
+        if self._flat_queries:
+            out = self._from_flat(self._call(runner, q.flatten(1), k, v, layer, batch, what), layer, n, what)
+        else:
+            out = self._call(runner, q, k, v, layer, batch, what)
         run = _LayerRun(layer, q, k, v, out, expected_k, expected_v)
         if check:
             self._check_output(what, run, batch)
         return run
+
+    @staticmethod
+    def _from_flat(out: torch.Tensor, layer: AttentionLayer, tokens: int, what: str) -> torch.Tensor:
+        expected = (tokens, layer.num_heads * layer.head_dim)
+        if tuple(out.shape) != expected:
+            _fail(
+                f"{what}: output shape {tuple(out.shape)} for a [tokens, num_heads * head_dim] query, expected "
+                f"{expected}: a backend that declares flat_heads answers in the layout it was asked in"
+            )
+        return out.reshape(tokens, layer.num_heads, layer.head_dim)
 
     def _call(
         self,
@@ -618,6 +632,19 @@ class BackendConformance:
     def test_bfloat16(self) -> None:
         self._require_dtype(torch.bfloat16)
         self._extend_twice_then_decode(self._runner(dtype=torch.bfloat16), (24, 7), (6, 3), "bfloat16")
+
+    def test_flat_heads_layout(self) -> None:
+        """A backend that declares ``flat_heads`` gets SGLang's ``[T, heads * head_dim]`` queries from the bridge."""
+        if not self._capabilities().flat_heads:
+            pytest.skip(f"backend {self.name!r} does not declare flat_heads: engines pass it [T, heads, head_dim]")
+        self._flat_queries = True
+        runner = self._runner()
+        self._extend_twice_then_decode(runner, (19, 6), (5, 2), "flat_heads:")
+        lone = runner.new_request()
+        self._forward(runner, ForwardMode.EXTEND, [(lone, 0, 12)], "flat_heads: extend of a single request")
+        self._forward(runner, ForwardMode.DECODE, [(lone, 12, 1)], "flat_heads: decode of a single request")
+        fragmented = self._fragmented_prefix(runner, 17)
+        self._forward(runner, ForwardMode.DECODE, [(fragmented, 17, 1)], "flat_heads: decode over scattered slots")
 
     def test_declared_capabilities_are_valid_and_hold(self) -> None:
         """What a backend declares, engines act on (dtypes, head dims, CUDA graphs), so the kit checks it."""
