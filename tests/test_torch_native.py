@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
@@ -171,12 +171,22 @@ class _HeadSlicedCache:
         self.v_buffer(layer_id).index_copy_(0, loc, v.to(self.dtype))
 
 
-@pytest.mark.parametrize("sliced", [False, True])
+@pytest.fixture
+def torch_threads() -> Iterator[Callable[[int], None]]:
+    """Set torch's thread count for one test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("threads", "sliced"), [(2, False), (2, True), (1, False)])
 @pytest.mark.parametrize("lens", [[70], [70, 9, 33]])
 def test_decode_gathers_lone_requests_head_major(
-    monkeypatch: pytest.MonkeyPatch, lens: list[int], sliced: bool
+    monkeypatch: pytest.MonkeyPatch, torch_threads: Callable[[int], None], lens: list[int], threads: int, sliced: bool
 ) -> None:
-    """A chunk of one request gathers head-major rows, unless the cache's strides allow no such view."""
+    """On several threads a chunk of one request gathers head-major rows, unless the cache's strides allow no
+    such view; on one thread it stays token-major."""
+    torch_threads(threads)
     monkeypatch.setattr(torch_native, "_DECODE_CHUNK_BYTES", 1)  # a request per chunk
     torch.manual_seed(12)
     pool = make_pool(4 if sliced else 2)
@@ -198,8 +208,9 @@ def test_decode_gathers_lone_requests_head_major(
     out, q = step(ForwardMode.DECODE, [(r, n, 1) for r, n in zip(reqs, lens, strict=True)])
     plan = backend._plan
     assert plan is not None
-    chunks, _ = plan.chunks[2, 2 * HEAD_DIM * 4, not sliced]
-    assert [chunk.head_major for chunk in chunks] == [not sliced] * len(lens)
+    head_major = threads > 1 and not sliced
+    chunks, _ = plan.chunks[2, 2 * HEAD_DIM * 4, head_major]
+    assert [chunk.head_major for chunk in chunks] == [head_major] * len(lens)
     assert max_error(out, q, layer, plan.batch) < F32_TOL
 
 

@@ -7,9 +7,9 @@ choices shape the code:
 
 * The cache is token-major (``[slot, kv_head, dim]``).  An extending request
   whose slots form one ascending run is read through a zero-copy view; only
-  fragmented requests pay for a gather, and a request gathered alone is
-  gathered head-major (``_head_rows``), the way SDPA then splits it between
-  threads.
+  fragmented requests pay for a gather, and on several threads a request
+  gathered alone is gathered head-major (``_head_rows``), the way SDPA then
+  splits it between threads.
 * Decode batches are attended in chunks, not request by request: each
   chunk's key rows are gathered with one ``index_select`` (requests sorted
   by length and padded, the padding masked) and attended with one batched
@@ -169,6 +169,9 @@ class _BatchPlan:
     requests' rows in it, from which the decode chunks are planned."""
     longest_gather: int = 0
     """Rows of the longest fragmented request (0: nothing is gathered); sizes the extend scratch."""
+    head_major: bool = field(default_factory=lambda: torch.get_num_threads() > 1)
+    """Whether lone requests are gathered head-major (``_head_rows``): it pays only when SDPA splits a
+    request between threads; on one thread the token-major gather's longer row copies are cheaper."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
     chunks: dict[tuple[int, int, bool], tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
@@ -247,7 +250,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             return _decode(q, k_buffer, v_buffer, plan, layer, flat)
         if flat:
             q = q.view(-1, layer.num_heads, layer.head_dim)
-        k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if plan.longest_gather else (None, None)
+        gathers = plan.longest_gather and plan.head_major
+        k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if gathers else (None, None)
         if len(plan.requests) == 1:
             # SDPA's CPU flash kernel already lays its output out token-major,
             # so a lone request needs no copy into an output buffer.
@@ -381,7 +385,7 @@ def _decode(
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
     shape = (-1, layer.num_heads * dim) if flat else (-1, layer.num_heads, dim)
     queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
-    k_rows, v_rows = _head_rows(k_buffer), _head_rows(v_buffer)
+    k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if plan.head_major else (None, None)
     chunks, most = plan.decode_chunks(k_buffer, k_rows is not None and v_rows is not None)
     k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0, most), plan.gather_scratch(v_buffer, 1, most)
     assert k_scratch is not None and v_scratch is not None
