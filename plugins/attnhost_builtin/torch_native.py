@@ -87,12 +87,11 @@ class _RequestPlan:
         out = None if scratch is None else scratch[: self.seq_len]
         if rows is None:
             return torch.index_select(buffer, 0, self.kv_index, out=out)
-        _, heads, dim = buffer.shape
+        heads = buffer.shape[1]
         index = self.head_index.get(heads)
         if index is None:
             index = self.head_index[heads] = _head_major(self.kv_index.view(1, -1), heads)
-        gathered = torch.index_select(rows, 0, index, out=None if out is None else out.view(-1, dim))
-        return gathered.view(heads, self.seq_len, dim).transpose(0, 1)
+        return _gather_head_major(rows, index, out, heads, self.seq_len)[0].transpose(0, 1)
 
     def uses_is_causal(self, group: int) -> bool:
         """Whether SDPA's top-left ``is_causal`` is exact here (square, no prefix) and cheaper."""
@@ -373,6 +372,16 @@ def _head_rows(buffer: torch.Tensor) -> torch.Tensor | None:
     return buffer.view(slots * heads, dim)
 
 
+def _gather_head_major(
+    rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None, heads: int, width: int
+) -> torch.Tensor:
+    """``index`` (from ``_head_major``) gathered from ``rows`` (``_head_rows``) into ``out`` (any shape of the
+    right size), as ``[requests, heads, width, dim]``: each head's keys contiguous, as SDPA reads them."""
+    dim = rows.shape[1]
+    gathered = torch.index_select(rows, 0, index, out=None if out is None else out.view(-1, dim))
+    return gathered.view(-1, heads, width, dim)
+
+
 def _decode(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer, flat: bool
 ) -> torch.Tensor:
@@ -396,8 +405,8 @@ def _decode(
         k_out, v_out = k_scratch[: count * width], v_scratch[: count * width]
         if chunk.head_major:
             assert k_rows is not None and v_rows is not None
-            keys = torch.index_select(k_rows, 0, chunk.index, out=k_out.view(-1, dim)).view(1, kv_heads, width, dim)
-            values = torch.index_select(v_rows, 0, chunk.index, out=v_out.view(-1, dim)).view(1, kv_heads, width, dim)
+            keys = _gather_head_major(k_rows, chunk.index, k_out, kv_heads, width)
+            values = _gather_head_major(v_rows, chunk.index, v_out, kv_heads, width)
         else:
             keys = torch.index_select(k_buffer, 0, chunk.index, out=k_out)
             values = torch.index_select(v_buffer, 0, chunk.index, out=v_out)
