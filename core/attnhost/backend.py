@@ -75,9 +75,13 @@ class BackendCapabilities:
     flat_heads: bool = False
     """Also takes ``q`` as ``[T, num_heads * head_dim]`` and then returns ``[T, num_heads * head_dim]``: SGLang's
     own layout, which the bridge then passes through instead of paying a view each way per layer."""
+    tree_mask: bool = False
+    """Honours ``ForwardBatch.tree_mask`` (speculative trees, EAGLE ``topk > 1``: a new token sees the prefix and
+    only its own ancestors among the new tokens). Without it engines run speculative chains only and refuse a
+    tree run when they resolve their arguments, never on a batch."""
 
     def __post_init__(self) -> None:
-        for flag in ("cuda_graph", "flat_heads"):
+        for flag in ("cuda_graph", "flat_heads", "tree_mask"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BackendCapabilities.{flag} must be True or False, got {getattr(self, flag)!r}")
         dtypes, head_dims = self.dtypes, self.head_dims

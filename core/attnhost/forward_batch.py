@@ -159,6 +159,11 @@ class ForwardBatch:
     seq_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
     extend_seq_lens_cpu: tuple[int, ...]
+    tree_mask: torch.Tensor | None = None
+    """Speculative trees only (``BackendCapabilities.tree_mask``): bool, on the cache's device, one
+    ``[extend_len, extend_len]`` block per request, row-major and concatenated in request order; entry
+    ``[j, k]`` is True when new token ``j`` may attend to new token ``k`` of its request. The prefix is always
+    visible. ``None``: causal among the new tokens, as in every other batch."""
     batch_size: int = field(init=False)
     num_new_tokens: int = field(init=False)
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
@@ -182,9 +187,24 @@ class ForwardBatch:
             raise ValueError("ForwardBatch: an IDLE batch has no requests")
         if self.forward_mode is ForwardMode.DECODE and any(e != 1 for e in self.extend_seq_lens_cpu):
             raise ValueError("ForwardBatch: a DECODE batch brings exactly one new token per request")
+        if self.tree_mask is not None:
+            if self.forward_mode.is_decode_or_idle():
+                raise ValueError(f"ForwardBatch: a {self.forward_mode.name} batch takes no tree_mask")
+            cells = sum(e * e for e in self.extend_seq_lens_cpu)
+            if self.tree_mask.dtype != torch.bool or tuple(self.tree_mask.shape) != (cells,):
+                raise ValueError(
+                    f"ForwardBatch: tree_mask must be a bool tensor of shape ({cells},) (one extend_len x extend_len "
+                    f"block per request), got {self.tree_mask.dtype} {tuple(self.tree_mask.shape)}"
+                )
 
     @classmethod
-    def prepare(cls, kv_pool: KVPool, forward_mode: ForwardMode, requests: Iterable[Sequence[int]]) -> ForwardBatch:
+    def prepare(
+        cls,
+        kv_pool: KVPool,
+        forward_mode: ForwardMode,
+        requests: Iterable[Sequence[int]],
+        tree_mask: torch.Tensor | None = None,
+    ) -> ForwardBatch:
         """Allocate and record the new slots of each ``(req_pool_index, prefix_len, extend_len)``, then build the
         batch; everything is checked first, so a refusal (naming the request) leaves the pool as it was."""
         specs = [tuple(int(x) for x in r) for r in requests]
@@ -218,11 +238,16 @@ class ForwardBatch:
         out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
             kv_pool.req_to_token[req, prefix : prefix + extend] = loc
-        return cls.from_lists(kv_pool, forward_mode, specs, out_cache_loc)
+        return cls.from_lists(kv_pool, forward_mode, specs, out_cache_loc, tree_mask)
 
     @classmethod
     def from_lists(
-        cls, kv_pool: KVCache, forward_mode: ForwardMode, requests: Sequence[Sequence[int]], out_cache_loc: torch.Tensor
+        cls,
+        kv_pool: KVCache,
+        forward_mode: ForwardMode,
+        requests: Sequence[Sequence[int]],
+        out_cache_loc: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Build a batch whose slots are already allocated and recorded (no allocation here)."""
         reqs, prefix, extend = (tuple(int(r[i]) for r in requests) for i in range(3))
@@ -239,4 +264,5 @@ class ForwardBatch:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=extend,
+            tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device, dtype=torch.bool),
         )
