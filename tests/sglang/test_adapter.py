@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import unittest
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -89,11 +90,10 @@ def test_extra_attention_arguments_are_refused_not_ignored() -> None:
         fixture.backend.forward_extend(q, k, v, fixture.actual_module.attn, fixture.forward_batch, sinks=torch.ones(4))
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2])
-def test_tree_masked_speculative_batches_are_refused(mode: ForwardMode) -> None:
+def test_a_custom_mask_outside_target_verify_is_refused_not_ignored() -> None:
     fixture = _fixture()
-    fixture.forward_batch.forward_mode = mode
-    with pytest.raises(UnsupportedFeatureError, match="tree-masked"):
+    fixture.forward_batch.spec_info = SimpleNamespace(custom_mask=torch.ones(4, dtype=torch.bool))
+    with pytest.raises(UnsupportedFeatureError, match="custom attention masks in a EXTEND batch"):
         fixture.backend.init_forward_metadata(fixture.forward_batch)
 
 

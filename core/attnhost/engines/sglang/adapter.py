@@ -13,12 +13,19 @@ declares ``flat_heads`` takes SGLang's layout itself and is spared both
 views (at about 2 us each on a CPU, they are a few per cent of a small
 decode call).
 
+Speculative batches: TARGET_VERIFY (each request's draft tokens after its
+committed prefix; a tree's ``custom_mask`` becomes the contract's
+``tree_mask``) and DRAFT_EXTEND_V2 read their keys through a per-batch
+slot table (:func:`slot_table`), since SGLang's own backends take the new
+tokens' K/V from the write slots, not from ``req_to_token``; the draft's
+multi-step decode steps are planned by ``multistep``.
+
 What the attnhost contract cannot express — MLA, sliding windows, logit
-caps, cross-attention, a V head dim unlike the QK one, tree-masked
-speculative verify, CUDA-graph capture for a backend that does not declare
-it — is refused with one error naming the backend and the feature, at
-construction or on the first layer or batch that needs it. Never a wrong
-number.
+caps, cross-attention, a V head dim unlike the QK one, a tree for a backend
+without ``tree_mask``, CUDA-graph capture for a backend that does not
+declare it — is refused with one error naming the backend and the feature,
+at construction or on the first layer or batch that needs it. Never a
+wrong number.
 """
 
 from __future__ import annotations
@@ -48,18 +55,79 @@ _MODES = {
     SGLangForwardMode.EXTEND: ForwardMode.EXTEND,
     SGLangForwardMode.MIXED: ForwardMode.MIXED,
     SGLangForwardMode.DECODE: ForwardMode.DECODE,
+    SGLangForwardMode.TARGET_VERIFY: ForwardMode.TARGET_VERIFY,
+    SGLangForwardMode.DRAFT_EXTEND_V2: ForwardMode.DRAFT_EXTEND_V2,
 }
 _REFUSED_MODES = {
-    SGLangForwardMode.TARGET_VERIFY: "speculative target-verify (tree-masked attention)",
-    SGLangForwardMode.DRAFT_EXTEND_V2: "speculative draft-extend (tree-masked attention)",
     SGLangForwardMode.SPLIT_PREFILL: "split prefill (PD multiplexing)",
     SGLangForwardMode.DLLM_EXTEND: "diffusion-LLM extend (bidirectional attention)",
     SGLangForwardMode.PREBUILT: "prebuilt (disaggregated decode) batches",
 }
+# Speculative batches whose planned ForwardBatch SGLang may hand to the layers as another object (a padded or
+# replaced copy): the adapter then checks that the two describe the same batch instead of demanding identity.
+_REPLANNED_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def ints(cpu: Tensor | None, tensor: Tensor) -> tuple[int, ...]:
+    """A length tensor's values, from SGLang's host copy when it has one (no device sync)."""
+    return tuple((cpu if cpu is not None else tensor).tolist())
+
+
+def slot_table(
+    req_to_token: Tensor,
+    req_pool_indices: Tensor,
+    prefix_cpu: tuple[int, ...],
+    extend_cpu: tuple[int, ...],
+    out_cache_loc: Tensor,
+) -> Tensor:
+    """The key slots of a speculative batch, one row per batch row: its request's first ``prefix`` slots of
+    ``req_to_token``, then the slots of its new tokens, which are ``out_cache_loc`` in order.
+
+    SGLang's own backends read a speculative batch's new keys from the write slots (``k``/``v`` of the
+    forward), not from ``req_to_token``, which may place them elsewhere (a tree's branches) or not yet at all;
+    the contract's backends read every key through ``req_to_token``, so the adapter hands them this table.
+    Two rows may name one request (the draft's tree branches share their prefix). It is built once per
+    batch (a few hundred integers), never per layer.
+    """
+    width = max(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True))
+    table = req_to_token.new_zeros((len(prefix_cpu), width))
+    longest = min(max(prefix_cpu), req_to_token.shape[1])
+    if longest:
+        table[:, :longest] = req_to_token.index_select(0, req_pool_indices.to(torch.int64))[:, :longest]
+    rows = [row for row, e in enumerate(extend_cpu) for _ in range(e)]
+    cols = [p + j for p, e in zip(prefix_cpu, extend_cpu, strict=True) for j in range(e)]
+    device = req_to_token.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    table.index_put_(index, out_cache_loc.to(device=device, dtype=table.dtype))
+    return table
+
+
+def tree_blocks(custom_mask: Tensor, committed: tuple[int, ...], draft_tokens: int) -> Tensor | None:
+    """SGLang's verify ``custom_mask`` as the contract's ``tree_mask``: per request, the
+    ``draft_tokens x draft_tokens`` block among the new tokens, concatenated; ``None`` if its size fits
+    neither of SGLang's layouts.
+
+    QLEN_ONLY (where SGLang's ``is_cpu()`` holds) already is that layout. FULL_MASK (GPU-style platforms)
+    holds, per request, ``draft_tokens`` rows of ``seq_len + draft_tokens`` entries, the prefix columns
+    first: the block is each row's tail. The size tells the two apart: they coincide only for empty
+    prefixes, which a verify never has.
+    """
+    n = draft_tokens
+    if custom_mask.numel() == len(committed) * n * n and any(committed):
+        return custom_mask.to(torch.bool)
+    index: list[int] = []
+    offset = 0
+    for seq in committed:
+        row = seq + n
+        index.extend(offset + j * row + seq + k for j in range(n) for k in range(n))
+        offset += n * row
+    if custom_mask.numel() != offset:
+        return None
+    return custom_mask[torch.tensor(index, device=custom_mask.device)].to(torch.bool)
 
 
 class SGLangKVCache:
@@ -67,15 +135,18 @@ class SGLangKVCache:
 
     ``set_kv`` needs SGLang's ``RadixAttention`` object and the batch's
     physical-id mark, so the adapter records both before each layer runs.
+    A speculative batch reads its keys through a slot table of its own
+    (``_table``, see :func:`slot_table`), not SGLang's ``req_to_token``.
     """
 
-    __slots__ = ("_layers", "_physical", "_pool", "_req_to_token_pool", "device")
+    __slots__ = ("_layers", "_physical", "_pool", "_req_to_token_pool", "_table", "device")
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool: MHATokenToKVPool, device: torch.device) -> None:
         self._req_to_token_pool = req_to_token_pool
         self._pool = token_to_kv_pool
         self._layers: dict[int, RadixAttention] = {}
         self._physical = False
+        self._table: torch.Tensor | None = None
         self.device = device
 
     @property
@@ -85,7 +156,7 @@ class SGLangKVCache:
 
     @property
     def req_to_token(self) -> torch.Tensor:
-        table: torch.Tensor = self._req_to_token_pool.req_to_token
+        table: torch.Tensor = self._req_to_token_pool.req_to_token if self._table is None else self._table
         return table
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
@@ -159,7 +230,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             f"attnhost backend {self.attnhost_name!r} ({self.origin}), SGLang --attention-backend {self.engine_name!r}"
         )
 
-    def _refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
+    def refusal(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
         return UnsupportedFeatureError(f"{self._where} does not support {feature}; {way_out}")
 
     # SGLang stamps the runner's resolved names on its backend after building it (#28559); the
@@ -171,49 +242,49 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
 
     def _check_runner(self, runner: Any) -> None:
         if getattr(runner, "use_mla_backend", False):
-            raise self._refuse("MLA models (multi-head latent attention)")
+            raise self.refusal("MLA models (multi-head latent attention)")
         model_config = getattr(runner, "model_config", None)
         if getattr(model_config, "is_encoder_decoder", False):
-            raise self._refuse("encoder-decoder models (cross-attention)")
+            raise self.refusal("encoder-decoder models (cross-attention)")
         if getattr(runner, "is_hybrid_swa", False):
-            raise self._refuse("sliding-window attention (a hybrid SWA KV pool)")
+            raise self.refusal("sliding-window attention (a hybrid SWA KV pool)")
         pool = self.token_to_kv_pool
         if not isinstance(pool, MHATokenToKVPool):
-            raise self._refuse(f"SGLang's {type(pool).__name__} (it reads MHATokenToKVPool)")
+            raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MHATokenToKVPool)")
         if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", None) not in (None, "NHD", "nhd"):
-            raise self._refuse("a head-major (HND) KV-cache layout", "unset SGLANG_USE_HND_KVCACHE")
+            raise self.refusal("a head-major (HND) KV-cache layout", "unset SGLANG_USE_HND_KVCACHE")
         if getattr(pool, "is_quantized_kv_cache", False) or pool.store_dtype != pool.dtype:
-            raise self._refuse(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
+            raise self.refusal(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
         if pool.v_head_dim != pool.head_dim:
-            raise self._refuse(f"a V head dim ({pool.v_head_dim}) unlike the QK head dim ({pool.head_dim})")
+            raise self.refusal(f"a V head dim ({pool.v_head_dim}) unlike the QK head dim ({pool.head_dim})")
         kv_dtype = dtype_name(pool.dtype)
         model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
         reason = self.capabilities.refusal(dtype=model_dtype, head_dim=pool.head_dim, kv_dtype=kv_dtype)
         if reason is not None:
-            raise self._refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+            raise self.refusal(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
 
     def _layer(self, layer: RadixAttention) -> AttentionLayer:
         """The attnhost view of a layer, checked once, on its first forward."""
         if getattr(layer, "is_cross_attention", False):
-            raise self._refuse(f"cross-attention (layer {layer.layer_id})")
+            raise self.refusal(f"cross-attention (layer {layer.layer_id})")
         attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
         if attn_type != "DECODER":
-            raise self._refuse(f"{attn_type.lower()} attention (layer {layer.layer_id}); it computes causal attention")
+            raise self.refusal(f"{attn_type.lower()} attention (layer {layer.layer_id}); it computes causal attention")
         if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
-            raise self._refuse(f"sliding-window attention (layer {layer.layer_id})")
+            raise self.refusal(f"sliding-window attention (layer {layer.layer_id})")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
-            raise self._refuse(f"logit capping (layer {layer.layer_id}, logit_cap={layer.logit_cap})")
+            raise self.refusal(f"logit capping (layer {layer.layer_id}, logit_cap={layer.logit_cap})")
         if layer.qk_head_dim != layer.v_head_dim:
-            raise self._refuse(f"a V head dim ({layer.v_head_dim}) unlike the QK head dim ({layer.qk_head_dim})")
+            raise self.refusal(f"a V head dim ({layer.v_head_dim}) unlike the QK head dim ({layer.qk_head_dim})")
         if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
             None,
             1.0,
         ):
-            raise self._refuse(f"scaled (quantized) K/V (layer {layer.layer_id})")
+            raise self.refusal(f"scaled (quantized) K/V (layer {layer.layer_id})")
         head_dim = layer.qk_head_dim
         reason = self.capabilities.refusal(dtype=dtype_name(self.data_type), head_dim=head_dim)
         if reason is not None:
-            raise self._refuse(reason)
+            raise self.refusal(reason)
         converted = AttentionLayer(
             layer_id=layer.layer_id,
             num_heads=layer.tp_q_head_num,
@@ -230,22 +301,25 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def init_forward_metadata(self, forward_batch: SGLangBatch) -> None:
         """Translate SGLang's batch once, then let the attnhost backend plan it."""
         mode = forward_batch.forward_mode
-        self._sglang_batch = forward_batch
         if mode.is_idle():
-            self._batch = None
+            self._plan(forward_batch, None)
             return
         attnhost_mode = _MODES.get(mode)
         if attnhost_mode is None:
-            feature = _REFUSED_MODES.get(mode, f"forward mode {mode.name}")
-            raise self._refuse(feature, "run speculative decoding's verify/draft-extend on an SGLang backend")
-        if forward_batch.spec_info is not None and getattr(forward_batch.spec_info, "custom_mask", None) is not None:
-            raise self._refuse("custom attention masks (speculative decoding)")
+            raise self.refusal(_REFUSED_MODES.get(mode, f"forward mode {mode.name}"))
         if getattr(forward_batch, "encoder_lens", None) is not None:
-            raise self._refuse("encoder tokens in the batch (cross-attention)")
+            raise self.refusal("encoder tokens in the batch (cross-attention)")
+        spec_info = forward_batch.spec_info
+        if attnhost_mode is ForwardMode.TARGET_VERIFY:
+            self._plan(forward_batch, self._verify_batch(forward_batch, spec_info))
+            return
+        if spec_info is not None and getattr(spec_info, "custom_mask", None) is not None:
+            raise self.refusal(f"custom attention masks in a {mode.name} batch (only target-verify carries a tree)")
         seq_lens = forward_batch.seq_lens
-        seq_lens_cpu = forward_batch.seq_lens_cpu
-        seq_cpu = tuple(seq_lens_cpu.tolist() if seq_lens_cpu is not None else seq_lens.tolist())
+        seq_cpu = ints(forward_batch.seq_lens_cpu, seq_lens)
         if attnhost_mode is ForwardMode.DECODE:
+            if getattr(spec_info, "topk", 1) > 1:  # the draft's branch rows need the multi-step container
+                raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
             prefix_lens = seq_lens - 1
             extend_lens = torch.ones_like(seq_lens)
             prefix_cpu = tuple(n - 1 for n in seq_cpu)
@@ -256,6 +330,12 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             prefix_cpu = tuple(forward_batch.extend_prefix_lens_cpu)
             extend_cpu = tuple(forward_batch.extend_seq_lens_cpu)
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        if attnhost_mode is ForwardMode.DRAFT_EXTEND_V2:
+            # seq_lens already count the new tokens; they attend causally to the prefix and to each other, read
+            # through a table of their own (the slots SGLang writes them to now), as SGLang's backends do.
+            self._plan(forward_batch, self._spec_batch(attnhost_mode, forward_batch, prefix_cpu, extend_cpu, None))
+            return
+        self._kv._table = None
         batch = ForwardBatch(
             forward_mode=attnhost_mode,
             kv_pool=self._kv,
@@ -268,12 +348,82 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=extend_cpu,
         )
-        self.attnhost_backend.init_forward_metadata(batch)
+        self._plan(forward_batch, batch)
+
+    def _plan(self, forward_batch: SGLangBatch, batch: ForwardBatch | None) -> None:
+        """Remember the batch SGLang planned and let the attnhost backend plan its translation."""
+        self._sglang_batch = forward_batch
+        if batch is not None:
+            self.attnhost_backend.init_forward_metadata(batch)
         self._batch = batch
+
+    def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any) -> ForwardBatch:
+        """TARGET_VERIFY: each request's ``draft_token_num`` new tokens after its committed ``seq_lens``.
+
+        A chain (``topk == 1``) is causal among them. A tree brings SGLang's ``custom_mask``: FULL_MASK (per
+        request, ``draft_token_num`` rows of ``seq_len + draft_token_num`` booleans) on GPU-style platforms,
+        QLEN_ONLY (``draft_token_num**2`` per request) where SGLang's ``is_cpu()`` holds; either becomes the
+        contract's per-request ``tree_mask`` blocks.
+        """
+        draft_tokens = int(getattr(spec_info, "draft_token_num", 0) or 0)
+        if draft_tokens < 1:
+            raise self.refusal("a target-verify batch without draft_token_num (not an EAGLE verify input)")
+        committed = ints(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
+        tree_mask = None
+        if int(getattr(spec_info, "topk", 1) or 1) > 1:
+            if not self.capabilities.tree_mask:
+                raise self.refusal(
+                    "speculative tree verify (EAGLE topk > 1; it declares no tree_mask capability)",
+                    "run chains (--speculative-eagle-topk 1) or choose a backend that declares tree_mask",
+                )
+            tree_mask = self._tree_mask(spec_info.custom_mask, committed, draft_tokens)
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        extend = (draft_tokens,) * len(committed)
+        return self._spec_batch(ForwardMode.TARGET_VERIFY, forward_batch, committed, extend, tree_mask)
+
+    def _tree_mask(self, custom_mask: Tensor | None, committed: tuple[int, ...], draft_tokens: int) -> Tensor:
+        blocks = None if custom_mask is None else tree_blocks(custom_mask, committed, draft_tokens)
+        if blocks is None:
+            size = "none" if custom_mask is None else f"{custom_mask.numel()} entries"
+            raise self.refusal(
+                f"this tree verify batch: SGLang's custom_mask ({size}) fits neither its QLEN_ONLY nor its "
+                f"FULL_MASK layout for {len(committed)} requests of {draft_tokens} draft tokens",
+                "report this to attnhost's maintainers",
+            )
+        return blocks
+
+    def plan_draft_step(self, forward_batch: SGLangBatch, table: Tensor, prefix_cpu: tuple[int, ...],
+                        out_cache_loc: Tensor, step: int) -> None:  # fmt: skip
+        """Draft decode step ``step`` of a multi-step round (``multistep.SGLangMultiStepDraftBackend``): row ``r``
+        of ``table`` has its prefix and branch slots, and reads its first ``prefix_cpu[r] + step + 1``."""
+        self._kv._table = table
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        rows = [(row, prefix + step, 1) for row, prefix in enumerate(prefix_cpu)]
+        self._plan(forward_batch, ForwardBatch.from_lists(self._kv, ForwardMode.DECODE, rows, out_cache_loc))
+
+    def _spec_batch(
+        self,
+        mode: ForwardMode,
+        forward_batch: SGLangBatch,
+        prefix_cpu: tuple[int, ...],
+        extend_cpu: tuple[int, ...],
+        tree_mask: Tensor | None,
+    ) -> ForwardBatch:
+        """A speculative batch over its own slot table (see :func:`slot_table`): row ``i`` is request ``i``."""
+        out_cache_loc = forward_batch.out_cache_loc
+        table = self._kv._req_to_token_pool.req_to_token
+        self._kv._table = slot_table(table, forward_batch.req_pool_indices, prefix_cpu, extend_cpu, out_cache_loc)
+        return ForwardBatch.from_lists(
+            self._kv,
+            mode,
+            [(row, p, e) for row, (p, e) in enumerate(zip(prefix_cpu, extend_cpu, strict=True))],
+            out_cache_loc,
+            tree_mask,
+        )
 
     def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
         if in_capture:
-            raise self._graph_refusal()
+            raise self.graph_refusal()
         self.init_forward_metadata(forward_batch)
 
     # -- per layer ------------------------------------------------------------------
@@ -290,15 +440,15 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def _run(self, method: str, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
              forward_batch: SGLangBatch, save_kv_cache: bool, kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
         batch = self._batch
-        if batch is None or forward_batch is not self._sglang_batch:
+        if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
         if kwargs and any(value is not None for value in kwargs.values()):
             extra = ", ".join(sorted(name for name, value in kwargs.items() if value is not None))
-            raise self._refuse(f"the extra attention arguments {extra} (layer {layer.layer_id})")
+            raise self.refusal(f"the extra attention arguments {extra} (layer {layer.layer_id})")
         attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer)
         tokens = q.shape[0]
         if tokens != batch.num_new_tokens:
-            raise self._refuse(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
+            raise self.refusal(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
         if save_kv_cache and (k is None or v is None):
             raise RuntimeError(f"{self._where}: save_kv_cache=True but SGLang passed no K/V for layer {layer.layer_id}")
         if k is not None and k.dim() != 3:  # RadixAttention already hands [tokens, kv_heads, head_dim]
@@ -318,23 +468,37 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         out = forward(q3, k, v, attnhost_layer, batch, save_kv_cache)
         return out.reshape(tokens, -1)
 
+    def _same_batch(self, batch: ForwardBatch, forward_batch: SGLangBatch) -> bool:
+        """Whether another ForwardBatch object describes the speculative batch planned (SGLang plans
+        draft-extend on one object and runs the layers with another): same mode, the same write slots."""
+        planned = self._sglang_batch
+        if batch.forward_mode not in _REPLANNED_MODES or planned is None:
+            return False
+        loc, planned_loc = forward_batch.out_cache_loc, planned.out_cache_loc
+        return bool(
+            forward_batch.forward_mode == planned.forward_mode
+            and loc is not None
+            and loc.shape == planned_loc.shape
+            and (loc is planned_loc or loc.data_ptr() == planned_loc.data_ptr() or torch.equal(loc, planned_loc))
+        )
+
     # -- what SGLang may ask and an attnhost backend cannot give -----------------------
 
-    def _graph_refusal(self) -> UnsupportedFeatureError:
-        return self._refuse(
+    def graph_refusal(self) -> UnsupportedFeatureError:
+        return self.refusal(
             "CUDA-graph capture (it declares no cuda_graph capability)", "run SGLang with --disable-cuda-graph"
         )
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         if not self.capabilities.cuda_graph:
-            raise self._graph_refusal()
-        raise self._refuse("CUDA-graph capture through this adapter yet", "run SGLang with --disable-cuda-graph")
+            raise self.graph_refusal()
+        raise self.refusal("CUDA-graph capture through this adapter yet", "run SGLang with --disable-cuda-graph")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        raise self._graph_refusal()
+        raise self.graph_refusal()
 
     def forward_mixed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise self._refuse("the NPU mixed-batch path")
+        raise self.refusal("the NPU mixed-batch path")
 
     def support_triton(self) -> bool:
         return False

@@ -16,10 +16,20 @@ Three SGLang mechanisms, all SGLang's own, no patch to its source:
 * An AROUND hook (``HookRegistry``) on SGLang's draft resolver: when SGLang
   would fall back, a third-party plugin's ``attnhost_draft_fallback``
   answer for this platform wins; otherwise SGLang's rule stands.
+* An AROUND hook on ``DraftBackendFactory._create_backend``, the one place
+  both of SGLang's hard-coded draft maps (``create_decode_backend``,
+  ``create_draft_extend_backend``) are looked up: attnhost's names join the
+  map SGLang is about to read, so SGLang's own lookup, stamping, wrapping
+  and error for unknown names all stay SGLang's. The draft-extend backend
+  is an adapter on the draft runner; the decode "backend" is
+  :class:`~attnhost.engines.sglang.multistep.SGLangMultiStepDraftBackend`.
+  The resolution hook also refuses a speculative tree (``topk > 1``) whose
+  target backend declares no ``tree_mask``, before anything is built.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -29,7 +39,7 @@ from typing import Any
 from attnhost.backend import BackendCapabilities, capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
 from attnhost.engines.sglang import OVERRIDE_ENV
-from attnhost.errors import BackendUnavailableError, plugin_label
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
 from attnhost.host import default_host
 from attnhost.platform import current_platform
 
@@ -39,6 +49,7 @@ logger = logging.getLogger("attnhost.engines.sglang")
 
 _DRAFT_RESOLVER = "sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend"
 _COMPAT_STEP = "handle_attention_backend_compatibility"
+_DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 
 _lock = threading.Lock()
 _plan: ExportPlan | None = None
@@ -157,6 +168,7 @@ def _install_hooks() -> None:
 
     register_resolution_hook(_COMPAT_STEP)(_attention_compatibility)
     HookRegistry.register(_DRAFT_RESOLVER, _resolve_draft_backend, HookType.AROUND)
+    HookRegistry.register(_DRAFT_FACTORY, _draft_backend, HookType.AROUND)
 
 
 def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) -> None:
@@ -168,6 +180,7 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
 
     view = resolved_view(server_args)
+    _refuse_unsupported_trees(view)
     names = {
         getattr(view, field, None)
         for field in (
@@ -194,6 +207,62 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
             "attnhost_attention_backend_compatibility",
             cuda_graph_config=with_phase(config, phase, backend=Backend.DISABLED),
         )
+
+
+def _refuse_unsupported_trees(view: Any) -> None:
+    """A speculative tree (``--speculative-eagle-topk`` > 1) needs a tree mask in the target's verify: refuse
+    it now, in one sentence, for an attnhost target backend that does not declare one (never on a batch).
+
+    The draft needs none: its tree branches reach a backend as plain decode rows (see ``multistep``).
+    """
+    if not getattr(view, "speculative_algorithm", None) or (getattr(view, "speculative_eagle_topk", 1) or 1) <= 1:
+        return
+    fields = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+    targets = {getattr(view, field, None) for field in fields}
+    for name in sorted(n for n in targets if isinstance(n, str)):
+        caps = _capabilities(name)
+        backend = _plan.by_engine_name(name) if _plan is not None else None
+        if caps is not None and not caps.tree_mask and backend is not None:
+            entry = backend.entry
+            origin = plugin_label(entry.plugin, entry.distribution, entry.version)
+            raise UnsupportedFeatureError(
+                f"attnhost backend {name!r} ({origin}) declares no tree_mask capability, so it cannot verify the "
+                f"speculative tree --speculative-eagle-topk {view.speculative_eagle_topk} asks for; use "
+                "--speculative-eagle-topk 1 (chains), or a target --attention-backend that declares tree_mask"
+            )
+
+
+def _draft_backend(
+    original: Callable[..., Any],
+    factory: Any,
+    backend_name: str,
+    backend_map: dict[str, Callable[[], tuple[str, Any]]],
+    error_template: str,
+    stamps_children: bool = False,
+) -> Any:
+    """SGLang's draft-backend lookup, with attnhost's exported names in the map it reads.
+
+    ``stamps_children`` is how SGLang asks for the multi-step decode container (it stamps each
+    ``attn_backends`` child); otherwise it wants the draft runner's draft-extend backend.
+    """
+    runner = factory.draft_model_runner
+    ours: dict[str, Callable[[], tuple[str, Any]]] = {}
+    for name, build in _ours.items():
+        if stamps_children:
+            ours[name] = functools.partial(_multistep, name, build, runner, factory.topk, factory.speculative_num_steps)
+        else:
+            ours[name] = functools.partial(_single, name, build, runner)
+    return original(factory, backend_name, {**backend_map, **ours}, error_template, stamps_children=stamps_children)
+
+
+def _single(name: str, build: Callable[[Any], Any], runner: Any) -> tuple[str, Any]:
+    return name, build(runner)
+
+
+def _multistep(name: str, build: Callable[[Any], Any], runner: Any, topk: int, steps: int) -> tuple[str, Any]:
+    from attnhost.engines.sglang.multistep import SGLangMultiStepDraftBackend
+
+    return name, SGLangMultiStepDraftBackend(runner, topk, steps, functools.partial(build, runner))
 
 
 def _resolve_draft_backend(original: Callable[..., str], *args: Any, **kwargs: Any) -> str:

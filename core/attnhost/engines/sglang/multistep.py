@@ -1,0 +1,82 @@
+"""SGLang's multi-step draft-decode container over attnhost adapters: one adapter per draft step.
+
+SGLang's EAGLE and STANDALONE draft workers ask ``DraftBackendFactory.create_decode_backend`` for an
+object whose ``attn_backends[i]`` serves draft step ``i`` and whose ``init_forward_metadata`` plans every
+step once per round, before the steps run (``TritonMultiStepDraftBackend`` is the model: the worker then
+enters each child's forward context in turn and rewrites ``forward_batch.out_cache_loc`` per step).
+
+Each step is a DECODE batch of ``batch_size * topk`` *branch rows*. Row ``(b, t)`` attends to request
+``b``'s committed prefix and to its own branch's draft tokens so far: the round's ``out_cache_loc`` is laid
+out ``[batch_size, topk, num_steps]`` (``per_step_draft_out_cache_loc``), so branch ``t``'s token ``j`` is
+at ``[b, t, j]``. One slot table per round (``adapter.slot_table``) holds every row's prefix and branch
+slots, and step ``i`` reads the first ``seq_len + i + 1`` of its row: to the attnhost backend it is a
+plain decode batch whose rows happen to share prefix slots. With ``topk == 1`` a row is its request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend, ints, slot_table
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
+
+__all__ = ["SGLangMultiStepDraftBackend"]
+
+
+class SGLangMultiStepDraftBackend:
+    """The per-step draft-decode backends of one SGLang draft runner, planned together once per round."""
+
+    needs_cpu_seq_lens = True  # the adapters read SGLang's host copies of the lengths
+
+    def __init__(
+        self, model_runner: Any, topk: int, speculative_num_steps: int, build: Callable[[], SGLangAdapterBackend]
+    ) -> None:
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.attn_backends: list[SGLangAdapterBackend] = [build() for _ in range(speculative_num_steps - 1)]
+        self.prefill_attention_backend_str: str | None = None  # SGLang's DraftBackendFactory stamps these
+        self.decode_attention_backend_str: str | None = None
+
+    def init_forward_metadata(self, forward_batch: SGLangBatch) -> None:
+        """Plan every draft step of this round from the round's batch (prefix lengths, write slots)."""
+        if forward_batch.forward_mode.is_idle():
+            for backend in self.attn_backends:
+                backend.init_forward_metadata(forward_batch)
+            return
+        first = self.attn_backends[0]
+        rows = forward_batch.batch_size * self.topk
+        loc = forward_batch.out_cache_loc
+        if loc.numel() % rows or loc.numel() // rows < self.speculative_num_steps:
+            raise first.refusal(
+                f"a draft round whose {loc.numel()} write slots do not cover {rows} branch rows x "
+                f"{self.speculative_num_steps} steps",
+                "report this to attnhost's maintainers",
+            )
+        per_row = loc.view(rows, -1)[:, : self.speculative_num_steps]  # a planned wider window leads with ours
+        prefix = tuple(n for n in ints(forward_batch.seq_lens_cpu, forward_batch.seq_lens) for _ in range(self.topk))
+        table = slot_table(
+            self.req_to_token_pool.req_to_token,
+            torch.repeat_interleave(forward_batch.req_pool_indices, self.topk),
+            prefix,
+            (self.speculative_num_steps,) * rows,
+            per_row.reshape(-1),
+        )
+        for step, backend in enumerate(self.attn_backends):
+            backend.plan_draft_step(forward_batch, table, prefix, per_row[:, step], step)
+
+    def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
+        if in_capture:
+            raise self.attn_backends[0].graph_refusal()
+        self.init_forward_metadata(forward_batch)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise self.attn_backends[0].graph_refusal()
+
+    def init_forward_metadata_in_graph(self, forward_batch: SGLangBatch) -> None:
+        raise self.attn_backends[0].graph_refusal()
