@@ -92,9 +92,8 @@ def test_tree_masks_in_both_sglang_layouts_become_the_contracts_blocks() -> None
     """FULL_MASK (prefix columns first) and QLEN_ONLY give the same per-request blocks; other sizes: None."""
     committed, n = (2, 3), 3
     blocks = [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])]
-    full = torch.cat(
-        [torch.cat([torch.ones(n, seq, dtype=torch.bool), b.bool()], dim=1).reshape(-1) for seq, b in zip(committed, blocks)]
-    )
+    rows = [torch.cat([torch.ones(n, seq, dtype=torch.bool), b.bool()], dim=1) for seq, b in zip(committed, blocks, strict=True)]
+    full = torch.cat([row.reshape(-1) for row in rows])
     qlen = torch.cat([b.bool().reshape(-1) for b in blocks])
     assert torch.equal(tree_blocks(full, committed, n), qlen)
     assert torch.equal(tree_blocks(qlen, committed, n), qlen)
@@ -131,9 +130,8 @@ def test_a_batch_the_adapter_did_not_plan_is_still_refused() -> None:
         fixture.backend.init_forward_metadata(fixture.forward_batch)
         other = dataclasses.replace(fixture.forward_batch, out_cache_loc=fixture.forward_batch.out_cache_loc + 1)
         inputs = dense_fixture_inputs(fixture)
-        with forward_context(ForwardContext(attn_backend=fixture.backend)):
-            with pytest.raises(RuntimeError, match="init_forward_metadata"):
-                run_dense_forward(fixture, other, inputs)
+        with forward_context(ForwardContext(attn_backend=fixture.backend)), pytest.raises(RuntimeError, match="init_"):
+            run_dense_forward(fixture, other, inputs)
 
 
 def _draft_runner(backend: str, topk: int, steps: int):  # type: ignore[no-untyped-def]
@@ -194,7 +192,7 @@ def _check_draft_round(fixture, container, topk: int, steps: int) -> None:  # ty
 
 def test_sglangs_own_draft_names_keep_sglangs_maps_and_unknown_names_keep_sglangs_error() -> None:
     with torch.no_grad():
-        fixture, factory = _draft_runner("tiny", 1, 3)
+        _, factory = _draft_runner("tiny", 1, 3)
     factory.draft_attn_backend = "no_such_backend"
     with pytest.raises(ValueError, match="EAGLE is not supported in decode attention backend no_such_backend"):
         factory.create_decode_backend()
@@ -207,7 +205,7 @@ def test_sglangs_own_draft_names_keep_sglangs_maps_and_unknown_names_keep_sglang
 
 def test_a_draft_extend_backend_is_an_adapter_on_the_draft_runner() -> None:
     with torch.no_grad():
-        fixture, factory = _draft_runner("batched_matmul", 2, 3)
+        _, factory = _draft_runner("batched_matmul", 2, 3)
         backend = factory.create_draft_extend_backend()
     assert isinstance(backend, SGLangAdapterBackend)
     assert backend.attnhost_name == "batched_matmul"
