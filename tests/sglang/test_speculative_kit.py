@@ -92,7 +92,8 @@ def test_tree_masks_in_both_sglang_layouts_become_the_contracts_blocks() -> None
     """FULL_MASK (prefix columns first) and QLEN_ONLY give the same per-request blocks; other sizes: None."""
     committed, n = (2, 3), 3
     blocks = [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])]
-    rows = [torch.cat([torch.ones(n, seq, dtype=torch.bool), b.bool()], dim=1) for seq, b in zip(committed, blocks, strict=True)]
+    pairs = zip(committed, blocks, strict=True)
+    rows = [torch.cat([torch.ones(n, seq, dtype=torch.bool), b.bool()], dim=1) for seq, b in pairs]
     full = torch.cat([row.reshape(-1) for row in rows])
     qlen = torch.cat([b.bool().reshape(-1) for b in blocks])
     assert torch.equal(tree_blocks(full, committed, n), qlen)
