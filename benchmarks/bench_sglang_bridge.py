@@ -21,6 +21,13 @@ per-batch ``init_forward_metadata`` is timed separately as ``init``.
 Ratios: ``sglang / bridge`` (speed-up, target >= 2 on decode, >= 1 on
 extend) and the adapter's overhead (target <= 3 %).
 
+Speculative cases (``--spec``, also in the full run): target verify as a
+chain and as a tree of the same size, and draft-extend-v2, on the kit's
+fixtures with SGLang's own EAGLE verify input. SGLang's ``torch_native``
+cannot run them (it fails at TARGET_VERIFY), so the columns are the bridge,
+the direct call and the adapter's overhead; a last line gives
+``torch_native``'s tree verify over its chain verify (target <= 1.2).
+
 The overhead is the adapter's own work per layer — measured by calling the
 adapter's ``forward_decode``/``forward_extend`` (what SGLang's ``forward``
 routes to) around a backend that returns at once, minus calling that
@@ -93,6 +100,7 @@ def main() -> int:
     parser.add_argument("--layout", choices=("shuffled_pages", "contiguous", "both"), default="both")
     parser.add_argument("--only", default="", help="run only the cases whose label contains this text")
     parser.add_argument("--rounds", type=int, default=0, help="interleaved rounds (default 5 with --quick, else 9)")
+    parser.add_argument("--spec", action="store_true", help="only the speculative (verify, draft-extend) cases")
     options = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", torch.get_num_threads())))
 
@@ -114,7 +122,7 @@ def main() -> int:
         f" {'adapter':>9}"
     )
     worst_overhead, worst = 0.0, {"decode": float("inf"), "extend": float("inf")}
-    for layout in layouts:
+    for layout in layouts if not options.spec else ():
         for label, mode, prefix, extend in _cases(options.quick):
             if options.only not in label:
                 continue
@@ -199,7 +207,133 @@ def main() -> int:
         f"worst speed-up: decode {worst['decode']:.2f}x (target >= 2), extend {worst['extend']:.2f}x (target >= 1); "
         f"worst adapter overhead {worst_overhead:.3f} (target <= 1.03)"
     )
+    _speculative(options, rounds)
     return 0
+
+
+# (label, prefix_lens, draft tokens per request, topk): chains and trees of the same size side by side.
+SPEC_CASES = [
+    ("b=16 ctx=1024 draft=4", (1024,) * 16, 4),
+    ("b=4 ctx=4096 draft=8", (4096,) * 4, 8),
+    ("b=1 ctx=4096 draft=8", (4096,), 8),
+]
+
+
+def _tree_mask(prefix: tuple[int, ...], draft_tokens: int) -> torch.Tensor:
+    """An EAGLE-like tree in SGLang's FULL_MASK layout: token j's parent is j - 1 or j - 2 (two branches)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for seq in prefix:
+        block = torch.eye(draft_tokens, dtype=torch.bool)
+        for j in range(1, draft_tokens):
+            parent = max(0, j - 1 - int(torch.randint(0, 2, (1,), generator=g)))
+            block[j] |= block[parent]
+        blocks.append(torch.cat([torch.ones(draft_tokens, seq, dtype=torch.bool), block], dim=1).reshape(-1))
+    return torch.cat(blocks)
+
+
+def _speculative(options: argparse.Namespace, rounds: int) -> None:
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
+        DenseAttentionCase,
+        build_dense_attention_fixture,
+    )
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_draft_extend_runner import (
+        _prepare_eagle_draft_extend_v2_batch,
+    )
+    from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
+        _make_eagle_verify_input,
+        _prepare_target_verify_batch,
+    )
+
+    print(f"\n{'speculative case':<40} {'bridge':>10} {'direct':>10} {'overhead':>9} {'adapter':>9}")
+    worst_overhead, tree_over_chain = 0.0, 0.0
+    for label, prefix, draft_tokens in SPEC_CASES:
+        medians: dict[str, float] = {}
+        for kind in ("verify chain", "verify tree", "draft-extend"):
+            full_label = f"{kind} {label}"
+            if options.only not in full_label:
+                continue
+            mode = ForwardMode.DRAFT_EXTEND_V2 if kind == "draft-extend" else ForwardMode.TARGET_VERIFY
+            case = DenseAttentionCase(
+                name=full_label, backend="attnhost_torch_native", forward_mode=mode, num_heads=HEADS,
+                num_kv_heads=KV_HEADS, page_size=1, prefix_lens=prefix, extend_lens=(draft_tokens,) * len(prefix),
+            )  # fmt: skip
+            with torch.no_grad():
+                build = case if mode is ForwardMode.TARGET_VERIFY else _replace_mode(case, ForwardMode.EXTEND)
+                fixture = build_dense_attention_fixture(
+                    _Case(), build, head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM,
+                    max_context_len=max(prefix) + draft_tokens + 1, dtype=torch.float32, device="cpu",
+                    loc_layout="shuffled_pages",
+                )  # fmt: skip
+            batch = fixture.forward_batch
+            if mode is ForwardMode.TARGET_VERIFY:
+                _prepare_target_verify_batch(batch, case, "cpu")
+                batch.spec_info = _make_eagle_verify_input(case, batch, topk=1, device="cpu")
+                if kind == "verify tree":
+                    batch.spec_info.topk = 2
+                    batch.spec_info.custom_mask = _tree_mask(prefix, draft_tokens)
+            else:
+                batch.forward_mode = mode
+                _prepare_eagle_draft_extend_v2_batch(case, batch, device="cpu")
+            bridge = ATTENTION_BACKENDS["attnhost_torch_native"](fixture.runner)
+            medians[kind], direct, overhead, adapter = _time_bridge(bridge, fixture, rounds)
+            worst_overhead = max(worst_overhead, overhead)
+            print(
+                f"{full_label:<40} {medians[kind] * 1e6:>8.0f}us {direct * 1e6:>8.0f}us "
+                f"{overhead:>8.3f} {adapter * 1e6:>7.1f}us"
+            )
+        if "verify chain" in medians and "verify tree" in medians:
+            ratio = medians["verify tree"] / medians["verify chain"]
+            tree_over_chain = max(tree_over_chain, ratio)
+            print(f"{'  tree / chain, ' + label:<40} {ratio:>10.2f}")
+    print(
+        f"speculative: worst adapter overhead {worst_overhead:.3f} (target <= 1.03), "
+        f"worst torch_native tree / chain verify {tree_over_chain:.2f} (target <= 1.2)"
+    )
+
+
+def _replace_mode(case: object, mode: object) -> object:
+    import dataclasses
+
+    return dataclasses.replace(case, forward_mode=mode)  # type: ignore[type-var]
+
+
+def _time_bridge(bridge: object, fixture: object, rounds: int) -> tuple[float, float, float, float]:
+    """(bridged, direct, overhead ratio, adapter seconds) for one speculative batch, measured as the main table."""
+    batch, layer = fixture.forward_batch, fixture.actual_module.attn  # type: ignore[attr-defined]
+    tokens = int(batch.out_cache_loc.numel())
+    q = torch.randn(tokens, HEADS * HEAD_DIM)
+    k = torch.randn(tokens, KV_HEADS, HEAD_DIM)
+    v = torch.randn(tokens, KV_HEADS, HEAD_DIM)
+    bridge.init_forward_metadata(batch)  # type: ignore[attr-defined]
+    with torch.no_grad():
+        bridge.forward(q, k, v, layer, batch)  # type: ignore[attr-defined]
+        inner, attnhost_batch = bridge.attnhost_backend, bridge._batch  # type: ignore[attr-defined]
+        attnhost_layer = bridge._layers[layer.layer_id]  # type: ignore[attr-defined]
+        q3 = q.view(tokens, HEADS, HEAD_DIM)
+        number = max(3, int(3e5 // (int(batch.seq_lens_cpu.sum()) + tokens + 1)))
+        stats = interleaved(
+            {
+                "bridge": per_call(bridge.forward_extend, number, q, k, v, layer, batch),  # type: ignore[attr-defined]
+                "direct": per_call(inner.forward_extend, number, q3, k, v, attnhost_layer, attnhost_batch),
+            },
+            rounds,
+        )
+        noop = _noop_backend()
+        bridge.attnhost_backend = noop  # type: ignore[attr-defined]
+        costs = interleaved(
+            {
+                "bridged": per_call(bridge.forward_extend, 2000, q, k, v, layer, batch),  # type: ignore[attr-defined]
+                "alone": per_call(noop.forward_extend, 2000, q3, k, v, attnhost_layer, attnhost_batch),  # type: ignore[attr-defined]
+            },
+            rounds,
+        )
+        bridge.attnhost_backend = inner  # type: ignore[attr-defined]
+    adapter = max(0.0, costs["bridged"].median - costs["alone"].median)
+    direct = stats["direct"].median
+    return stats["bridge"].median, direct, 1 + adapter / direct, adapter
 
 
 if __name__ == "__main__":
