@@ -22,6 +22,14 @@ Shapes: 32 query heads, 8 KV heads, head_dim 128, float32, CPU. "contiguous"
 means each request's slots form one ascending run (read as a view); "paged"
 means the decode token's slot was allocated after every prefix, as a paged
 allocator does mid-generation (a request's keys are then gathered).
+
+Speculative verify: ``torch_native``'s TARGET_VERIFY with a tree mask against
+the same verify as a chain (causal), same requests, same draft-token count,
+same slots (the draft tokens allocated after every prefix, as in a serving
+engine), each through its own runner, interleaved. The tree is a complete
+``topk``-ary tree over the draft tokens; the target is ratio <= 1.2.
+
+Run alone: ``python benchmarks/bench_attention.py [--verify-only] [--rounds N] [--quick]``.
 """
 
 from __future__ import annotations
@@ -123,7 +131,88 @@ def _record_kernels(forward: Callable[[], object]) -> list[Call]:
     return calls
 
 
-def run(rounds: int, quick: bool, threads: int | None) -> list[Row]:
+def _verify_cases(quick: bool) -> list[tuple[str, int, int, int, int]]:
+    """(label, requests, prefix, draft tokens, topk)."""
+    cases = [
+        ("verify 16x8 on 1016 prefix, topk 2", 16, 1016, 8, 2),
+        ("verify 1x16 on 1008 prefix, topk 4", 1, 1008, 16, 4),
+    ]
+    if not quick:
+        cases.append(("verify 4x64 on 960 prefix, topk 8", 4, 960, 64, 8))
+    return cases
+
+
+def _verify_setup(n_req: int, prefix: int, new: int, topk: int | None) -> tuple[Any, ...]:
+    """A runner with ``n_req`` prefilled requests and a TARGET_VERIFY batch over them: a tree when ``topk``."""
+    import torch
+
+    from attnhost import ForwardMode, ModelRunner, ServerArgs
+
+    torch.manual_seed(0)
+    runner = ModelRunner(
+        ServerArgs(attention_backend="torch_native"),
+        num_layers=1,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_requests=n_req,
+        max_context_len=prefix + new,
+        num_slots=n_req * (prefix + new),
+    )
+    requests = [runner.new_request() for _ in range(n_req)]
+    runner.prepare_batch(ForwardMode.EXTEND, [(r, 0, prefix) for r in requests])
+    runner.kv_pool.k_buffer(0).normal_()
+    runner.kv_pool.v_buffer(0).normal_()
+    tree_mask = None
+    if topk is not None:  # a complete topk-ary tree: draft token i's parent is (i - 1) // topk
+        block = torch.eye(new, dtype=torch.bool)
+        for token in range(1, new):
+            block[token] |= block[(token - 1) // topk]
+        tree_mask = block.flatten().repeat(n_req)
+    start = time.perf_counter()
+    batch = runner.prepare_batch(ForwardMode.TARGET_VERIFY, [(r, prefix, new) for r in requests], tree_mask)
+    plan_seconds = time.perf_counter() - start
+    n = batch.num_new_tokens
+    q = torch.randn(n, HEADS * HEAD_DIM)
+    k = torch.randn(n, KV_HEADS * HEAD_DIM)
+    v = torch.randn(n, KV_HEADS * HEAD_DIM)
+    return runner, batch, q, k, v, plan_seconds
+
+
+def _measure_verify(rounds: int, threads: int, label: str, n_req: int, prefix: int, new: int, topk: int) -> Row:
+    forwards = {}
+    plans = {}
+    for kind, tree_topk in (("tree", topk), ("chain", None)):
+        runner, batch, q, k, v, plans[kind] = _verify_setup(n_req, prefix, new, tree_topk)
+
+        def forward(runner: Any = runner, batch: Any = batch, q: Any = q, k: Any = k, v: Any = v) -> object:
+            with runner.forward_context():
+                return runner.attn_backend.forward(q, k, v, runner.layers[0], batch)
+
+        forwards[kind] = forward
+    number = max(1, int(0.05 / _once(forwards["chain"])))
+    stats = interleaved({kind: per_call(fn, number) for kind, fn in forwards.items()}, rounds)
+    return Row(
+        section="speculative verify",
+        case=label,
+        candidate="torch_native TARGET_VERIFY, tree mask (1 layer)",
+        value=stats["tree"].median * 1e6,
+        baseline="the same verify as a chain (causal)",
+        baseline_value=stats["chain"].median * 1e6,
+        unit="us",
+        spread=stats["tree"].spread,
+        baseline_spread=stats["chain"].spread,
+        n=stats["tree"].n,
+        target="ratio <= 1.2",
+        max_ratio=1.2,
+        notes=[
+            f"torch threads: {threads}; prepare_batch + init_forward_metadata (once per batch, all layers): "
+            f"tree {plans['tree'] * 1e6:.0f} us, chain {plans['chain'] * 1e6:.0f} us"
+        ],
+    )
+
+
+def run(rounds: int, quick: bool, threads: int | None, *, verify_only: bool = False) -> list[Row]:
     import torch
 
     torch.set_grad_enabled(False)
@@ -131,15 +220,17 @@ def run(rounds: int, quick: bool, threads: int | None) -> list[Row]:
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run(rounds, quick, torch.get_num_threads())
+        return _run(rounds, quick, torch.get_num_threads(), verify_only)
     finally:
         torch.set_num_threads(default_threads)
 
 
-def _run(rounds: int, quick: bool, threads: int) -> list[Row]:
+def _run(rounds: int, quick: bool, threads: int, verify_only: bool) -> list[Row]:
     rows: list[Row] = []
-    for case in _cases(quick):
+    for case in [] if verify_only else _cases(quick):
         rows += _measure(rounds, threads, *case)
+    for verify in _verify_cases(quick):
+        rows.append(_measure_verify(rounds, threads, *verify))
     return rows
 
 
@@ -196,3 +287,23 @@ def _once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return max(time.perf_counter() - start, 1e-6)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from run import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--verify-only", action="store_true", help="only the speculative verify (tree vs chain)")
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per figure (default: 15)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as run.py; 0 = torch's)")
+    options = parser.parse_args(argv)
+    rows = run(options.rounds, options.quick, options.threads or None, verify_only=options.verify_only)
+    print_table(rows)
+    return 0 if all(row.met is not False for row in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

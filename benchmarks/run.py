@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         if "attention" in only:
             import bench_attention
 
-            print("attention overhead ...", flush=True)
+            print("attention overhead, speculative verify (tree vs chain) ...", flush=True)
             rows += bench_attention.run(rounds["attention"], quick, options.threads or None)
     finally:
         if options.keep:

@@ -8,6 +8,13 @@ draft-capable plugin backend from ``examples/`` when one is installed, on
 DECODE forwards), the target verifies them in one TARGET_VERIFY forward, and
 the draft catches up on accepted tokens with a DRAFT_EXTEND forward.
 
+With ``--topk 2`` (or more) the draft proposes a tree instead of a chain, as
+EAGLE does: its ``topk`` best first tokens, each continued greedily on its own
+*branch row* (a batch row whose slot table shares the request's prefix slots),
+all branches in one DECODE batch per step. The target verifies the whole tree
+in one TARGET_VERIFY forward whose ``tree_mask`` lets each draft token see only
+the prefix and its own ancestors; the longest branch it agrees with is kept.
+
 The model code dispatches exactly as SGLang's does: per layer it asks
 ``attnhost.dispatch_attention_backend(mode)`` and ``attnhost.get_attn_backend()``,
 which answer for whichever runner's forward context is active — so the draft
@@ -15,7 +22,7 @@ can never make the target run the draft's kernel (SGLang #28559). The demo
 records those answers and prints them, and checks that speculative decoding
 produced exactly the target's own greedy output.
 
-Run: ``python examples/speculative_demo.py [--steps N] [--k K] [--draft-backend NAME] [--seed S]``
+Run: ``python examples/speculative_demo.py [--steps N] [--k K] [--topk T] [--draft-backend NAME] [--seed S]``
 """
 
 from __future__ import annotations
@@ -106,12 +113,33 @@ class TinyModel:
         self.cached_len = 0
         self.dispatched: dict[ForwardMode, set[str]] = defaultdict(set)
 
-    def forward(self, mode: ForwardMode, tokens: list[int]) -> torch.Tensor:
-        """Run ``tokens`` (appended after the cached ones) and return their logits ``[len, VOCAB]``."""
-        w = self.weights
+    def forward(
+        self,
+        mode: ForwardMode,
+        tokens: list[int],
+        positions: list[int] | None = None,
+        tree_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run ``tokens`` (appended after the cached ones) and return their logits ``[len, VOCAB]``.
+
+        A tree's tokens are cached in a row but sit at their depth: ``positions`` says where (default: in a row).
+        """
         start = self.cached_len
-        batch = self.runner.prepare_batch(mode, [(self.request, start, len(tokens))])
-        x = w.embed[torch.tensor(tokens)] + w.positions[start : start + len(tokens)]
+        batch = self.runner.prepare_batch(mode, [(self.request, start, len(tokens))], tree_mask)
+        logits = self._layers(mode, batch, tokens, positions or list(range(start, start + len(tokens))))
+        self.cached_len += len(tokens)
+        return logits
+
+    def decode_rows(self, rows: list[int], position: int, tokens: list[int]) -> torch.Tensor:
+        """One DECODE step of branch rows (request slots of their own) that all hold ``position`` cached tokens."""
+        batch = self.runner.prepare_batch(ForwardMode.DECODE, [(row, position, 1) for row in rows])
+        return self._layers(ForwardMode.DECODE, batch, tokens, [position] * len(rows))
+
+    def _layers(
+        self, mode: ForwardMode, batch: attnhost.ForwardBatch, tokens: list[int], positions: list[int]
+    ) -> torch.Tensor:
+        w = self.weights
+        x = w.embed[torch.tensor(tokens)] + w.positions[torch.tensor(positions)]
         with self.runner.forward_context():
             for i, layer in enumerate(self.runner.layers):
                 h = torch.nn.functional.layer_norm(x, (HIDDEN,))
@@ -124,7 +152,6 @@ class TinyModel:
                 x = x + attn.reshape(-1, HEADS * HEAD_DIM) @ w.wo[i]
                 h = torch.nn.functional.layer_norm(x, (HIDDEN,))
                 x = x + torch.nn.functional.gelu(h @ w.w1[i]) @ w.w2[i]
-        self.cached_len += len(tokens)
         return torch.nn.functional.layer_norm(x, (HIDDEN,)) @ w.head
 
     def truncate(self, length: int) -> None:
@@ -133,6 +160,16 @@ class TinyModel:
             pool = self.runner.kv_pool
             pool.free_slots(pool.req_to_token[self.request, length : self.cached_len].clone())
             self.cached_len = length
+
+    def keep(self, start: int, indices: list[int]) -> None:
+        """Of the tokens cached from ``start`` on, keep those at ``indices`` (an accepted tree path), in a row."""
+        pool = self.runner.kv_pool
+        slots = pool.req_to_token[self.request, start : self.cached_len].clone()
+        kept = torch.zeros(len(slots), dtype=torch.bool)
+        kept[indices] = True
+        pool.free_slots(slots[~kept])
+        pool.req_to_token[self.request, start : start + len(indices)] = slots[indices]
+        self.cached_len = start + len(indices)
 
 
 def pick_draft_backend(requested: str | None) -> str:
@@ -181,10 +218,78 @@ def speculate(
         accepted += matched
         tokens += [*proposals[:matched], verify[matched]]
         target.truncate(base + matched + 1)
-        draft.truncate(min(draft.cached_len, len(tokens) - 1))
-        missing = tokens[draft.cached_len : len(tokens) - 1]
-        if missing:
-            draft.forward(ForwardMode.DRAFT_EXTEND, missing)
+        catch_up(draft, tokens)
+    return tokens[len(prompt) : len(prompt) + new_tokens], proposed, accepted
+
+
+def catch_up(draft: TinyModel, tokens: list[int]) -> None:
+    """Bring the draft's cache to every committed token but the last, with one DRAFT_EXTEND forward."""
+    draft.truncate(min(draft.cached_len, len(tokens) - 1))
+    missing = tokens[draft.cached_len : len(tokens) - 1]
+    if missing:
+        draft.forward(ForwardMode.DRAFT_EXTEND, missing)
+
+
+def propose_tree(draft: TinyModel, root: int, k: int, topk: int) -> list[list[int]]:
+    """``topk`` branches of ``k`` draft tokens each: the draft's best first tokens after ``root``, each continued
+    greedily on a branch row of its own, all branches in one DECODE batch per step."""
+    logits = draft.forward(ForwardMode.DECODE, [root])[-1]
+    branches = [[int(t)] for t in logits.topk(topk).indices]
+    pool, prefix = draft.runner.kv_pool, draft.cached_len
+    rows = [draft.runner.new_request() for _ in branches]
+    for row in rows:  # a branch row holds the request's own prefix slots, shared, then slots of its branch
+        pool.req_to_token[row, :prefix] = pool.req_to_token[draft.request, :prefix]
+    for step in range(k - 1):
+        logits = draft.decode_rows(rows, prefix + step, [branch[-1] for branch in branches])
+        for branch, row_logits in zip(branches, logits, strict=True):
+            branch.append(int(row_logits.argmax()))
+    for row in rows:
+        pool.free_slots(pool.req_to_token[row, prefix : prefix + k - 1].clone())
+        pool.free_request(row)
+    return branches
+
+
+def tree_layout(branches: list[list[int]], start: int) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+    """The tree as the target verifies it: tokens (the root first), their parents, positions, and its mask."""
+    tokens, parents, positions = [-1], [-1], [start]  # the root's token is the caller's
+    for branch in branches:
+        for depth, token in enumerate(branch):
+            parents.append(0 if depth == 0 else len(tokens) - 1)
+            tokens.append(token)
+            positions.append(start + 1 + depth)
+    mask = torch.eye(len(tokens), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            mask[node] |= mask[parent]  # a token sees its ancestors (and the prefix, always)
+    return tokens, parents, positions, mask.flatten()
+
+
+def speculate_tree(
+    target: TinyModel, draft: TinyModel, prompt: list[int], new_tokens: int, k: int, topk: int
+) -> tuple[list[int], int, int]:
+    """Greedy speculative decoding over draft trees; returns the new tokens, proposals made and accepted."""
+    first = int(target.forward(ForwardMode.EXTEND, prompt)[-1].argmax())
+    draft.forward(ForwardMode.EXTEND, prompt)
+    tokens = [*prompt, first]
+    proposed = accepted = 0
+    while len(tokens) - len(prompt) < new_tokens:
+        branches = propose_tree(draft, tokens[-1], k, topk)
+        base = target.cached_len
+        tree, parents, positions, mask = tree_layout(branches, base)
+        tree[0] = tokens[-1]
+        verify = target.forward(ForwardMode.TARGET_VERIFY, tree, positions, mask).argmax(dim=-1).tolist()
+        path = [0]  # from the root, walk down while the target's own next token is one of the node's children
+        while True:
+            children = [node for node, parent in enumerate(parents) if parent == path[-1]]
+            agreed = next((node for node in children if tree[node] == verify[path[-1]]), None)
+            if agreed is None:
+                break
+            path.append(agreed)
+        proposed += topk * k
+        accepted += len(path) - 1
+        tokens += [*(tree[node] for node in path[1:]), verify[path[-1]]]
+        target.keep(base, path)
+        catch_up(draft, tokens)
     return tokens[len(prompt) : len(prompt) + new_tokens], proposed, accepted
 
 
@@ -210,6 +315,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=_positive, default=24, help="new tokens to generate (default: %(default)s)")
     parser.add_argument(
         "--k", type=_positive, default=4, help="tokens the draft proposes per round (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--topk",
+        type=_positive,
+        default=1,
+        help="branches of the draft's tree (1: a chain; 2 or more: a tree verified with a tree mask) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--draft-backend",
@@ -241,12 +353,16 @@ def _run(options: argparse.Namespace) -> int:
 
     draft_backend = pick_draft_backend(options.draft_backend)
     args = ServerArgs(attention_backend="torch_native", speculative_draft_attention_backend=draft_backend)
-    shape = dict(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_requests=2)
+    rows = options.topk if options.topk > 1 else 0  # the draft's branch rows
+    shape = dict(num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, max_requests=1 + rows)
     target = TinyModel("target", target_weights, ModelRunner(args, **shape))  # type: ignore[arg-type]
     draft = TinyModel("draft", draft_weights, ModelRunner(args, is_draft=True, **shape))  # type: ignore[arg-type]
     reference = TinyModel("reference", target_weights, ModelRunner(args, **shape))  # type: ignore[arg-type]
 
-    tokens, proposed, accepted = speculate(target, draft, prompt, options.steps, options.k)
+    if options.topk > 1:
+        tokens, proposed, accepted = speculate_tree(target, draft, prompt, options.steps, options.k, options.topk)
+    else:
+        tokens, proposed, accepted = speculate(target, draft, prompt, options.steps, options.k)
     expected = greedy(reference, prompt, options.steps)
 
     registry = attnhost.get_registry()
@@ -261,7 +377,8 @@ def _run(options: argparse.Namespace) -> int:
         )
         for mode in sorted(model.dispatched):
             print(f"  {mode.name:<16} -> {', '.join(sorted(model.dispatched[mode]))}")
-    print(f"accepted {accepted}/{proposed} draft proposals; generated {len(tokens)} tokens")
+    shape_text = f"trees of {options.topk} branches x {options.k}" if options.topk > 1 else f"chains of {options.k}"
+    print(f"accepted {accepted}/{proposed} draft proposals ({shape_text}); generated {len(tokens)} tokens")
     same = tokens == expected
     print(f"speculative output equals the target's own greedy output: {'yes' if same else 'NO'}")
     isolated = (

@@ -1,4 +1,5 @@
-"""The backend contract: ``forward_extend`` is required, ``forward_decode`` defaults to it."""
+"""The backend contract: ``forward_extend`` is required, ``forward_decode`` defaults to it; speculative trees reach
+only a backend that declares them."""
 
 from __future__ import annotations
 
@@ -6,8 +7,21 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the py312/py313 envs have no torch
 
-from attnhost import AttentionBackend, AttentionLayer, ForwardBatch, ForwardMode, KVPool
+import attnhost
+from attnhost import (
+    AttentionBackend,
+    AttentionLayer,
+    BackendCapabilities,
+    BackendSpec,
+    ForwardBatch,
+    ForwardMode,
+    KVPool,
+    ModelRunner,
+    ServerArgs,
+)
+from attnhost.errors import UnsupportedFeatureError
 from attnhost.testing.reference import reference_attention
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
 
 
 class ExtendOnly(AttentionBackend):
@@ -53,3 +67,82 @@ def test_forward_decode_defaults_to_forward_extend() -> None:
         assert backend.forward_decode(q, k, v, layer, batch, save_kv_cache=False).shape == (n, 4, 8)
     # forward() and forward_decode() both reach forward_extend, the one method implemented
     assert backend.calls == ["EXTEND", "EXTEND", "DECODE", "DECODE"]
+
+
+# -- speculative trees through the runner -------------------------------------------------
+
+# token 0 is the root; tokens 1 and 2 are its two candidates (topk 2); token 3 continues token 1
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool).flatten()
+
+
+class ChainOnly(TorchNativeAttnBackend):
+    """torch_native's kernels without the tree_mask declaration: a backend that runs chains only."""
+
+    capabilities = BackendCapabilities()
+
+
+class _ChainPlugin:
+    @attnhost.hookimpl
+    def attnhost_attention_backends(self) -> list[BackendSpec]:
+        return [BackendSpec(name="chain_only", factory=ChainOnly, description="speculative chains only")]
+
+
+@pytest.fixture
+def chain_only() -> None:
+    attnhost.register_plugin(_ChainPlugin(), name="chain-plugin")
+
+
+def _verify_tree(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, ForwardBatch]:
+    request = runner.new_request()
+    runner.prepare_batch(ForwardMode.EXTEND, [(request, 0, 6)])  # the prefix's K/V stays zero: fine here
+    batch = runner.prepare_batch(ForwardMode.TARGET_VERIFY, [(request, 6, 4)], tree_mask=TREE)
+    layer = runner.layers[0]
+    q, k, v = torch.randn(4, layer.num_heads, layer.head_dim), torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    with runner.forward_context() as backend:
+        out = backend.forward(q, k, v, layer, batch)
+    return out, q, batch
+
+
+@pytest.mark.usefixtures("chain_only")
+def test_a_runner_refuses_a_tree_its_backend_does_not_declare() -> None:
+    runner = ModelRunner(ServerArgs(attention_backend="chain_only"), num_layers=1, num_kv_heads=2, head_dim=16)
+    request = runner.new_request()
+    runner.prepare_batch(ForwardMode.EXTEND, [(request, 0, 6)])
+    free = runner.kv_pool.available_slots
+    with pytest.raises(UnsupportedFeatureError) as caught:
+        runner.prepare_batch(ForwardMode.TARGET_VERIFY, [(request, 6, 4)], tree_mask=TREE)
+    assert str(caught.value) == (
+        "target runner: attention backend 'chain_only' does not declare tree_mask (BackendCapabilities), so it "
+        "cannot attend a speculative tree in a TARGET_VERIFY batch; use chains (speculative topk 1) or a backend "
+        "that declares tree_mask"
+    )
+    assert runner.kv_pool.available_slots == free  # refused before any slot was taken
+    runner.prepare_batch(ForwardMode.TARGET_VERIFY, [(request, 6, 4)])  # the chain is fine
+
+
+@pytest.mark.usefixtures("chain_only")
+@pytest.mark.parametrize(("spec_mode", "refused"), [("prefill", True), ("decode", False)])
+def test_a_hybrid_target_asks_the_backend_that_serves_the_verify(spec_mode: str, refused: bool) -> None:
+    """TARGET_VERIFY runs on the prefill backend, or on the decode one under speculative_attention_mode=decode."""
+    args = ServerArgs(
+        prefill_attention_backend="chain_only",
+        decode_attention_backend="torch_native",
+        speculative_attention_mode=spec_mode,  # type: ignore[arg-type]
+    )
+    runner = ModelRunner(args, num_layers=1, num_kv_heads=2, head_dim=16)
+    assert isinstance(runner.attn_backend, attnhost.HybridAttnBackend)
+    if refused:
+        with pytest.raises(UnsupportedFeatureError, match="attention backend 'chain_only' does not declare"):
+            _verify_tree(runner)
+        return
+    torch.manual_seed(0)
+    out, q, batch = _verify_tree(runner)
+    assert float((out.double() - reference_attention(q, runner.layers[0], batch)).abs().max()) < 1e-5
+
+
+def test_a_tree_capable_runner_attends_the_tree() -> None:
+    torch.manual_seed(0)
+    runner = ModelRunner(ServerArgs(attention_backend="torch_native"), num_layers=1, num_kv_heads=2, head_dim=16)
+    out, q, batch = _verify_tree(runner)
+    assert batch.tree_mask is not None and torch.equal(batch.tree_mask, TREE)
+    assert float((out.double() - reference_attention(q, runner.layers[0], batch)).abs().max()) < 1e-5

@@ -45,10 +45,12 @@ from attnhost import BackendSpec, hookimpl
 NAMES = (
     "correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global",
     "uses_arguments", "layer_zero", "float32_only", "bad_half", "bad_caps", "flat_heads", "flat_liar",
+    "tree_liar",
 )
 _CLASSES = (
     "Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal",
     "UsesArguments", "LayerZero", "Float32Only", "BadHalf", "BadCaps", "FlatHeads", "FlatLiar",
+    "TreeLiar",
 )
 
 
@@ -180,6 +182,12 @@ class FlatLiar(Correct):
         return super()._attend(q.view(len(q), layer.num_heads, layer.head_dim), k, v, layer, fb, save_kv_cache)
 
 
+class TreeLiar(Correct):
+    """Declares tree_mask, then attends causally anyway, ignoring forward_batch.tree_mask (the bug)."""
+
+    capabilities = BackendCapabilities(tree_mask=True)
+
+
 '''
 
 # The shorthand's class has no docstring, so inspect would describe it with AttentionBackend's.
@@ -277,6 +285,10 @@ class TestFlatLiar(BackendConformance):
     backend_name = "flat_liar"
 
 
+class TestTreeLiar(BackendConformance):
+    backend_name = "tree_liar"
+
+
 class TestNoDocstring(BackendConformance):
     backend_name = "nodoc"
 
@@ -297,6 +309,10 @@ KIT_TESTS = (
     "test_extend_with_cached_prefix",
     "test_decode",
     "test_batch_of_requests_with_different_lengths",
+    "test_target_verify_chain",
+    "test_target_verify_tree",
+    "test_draft_extend",
+    "test_draft_decode_over_branch_rows",
     "test_head_layouts_mha_gqa_mqa[mha-4-4]",
     "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
@@ -314,6 +330,9 @@ FLOAT32_NUMERICS = {
     "test_extend_with_cached_prefix",
     "test_decode",
     "test_batch_of_requests_with_different_lengths",
+    "test_target_verify_chain",
+    "test_draft_extend",
+    "test_draft_decode_over_branch_rows",
     "test_head_layouts_mha_gqa_mqa[mha-4-4]",
     "test_head_layouts_mha_gqa_mqa[gqa-8-2]",
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
@@ -421,7 +440,9 @@ def test_kit_has_at_least_ten_tests() -> None:
 
 def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str], Outcome]) -> None:
     results = outcomes(kit_results, "TestCorrect")
-    assert {name for name, outcome in results.items() if outcome.status != "passed"} == {"test_flat_heads_layout"}
+    skipped = {"test_flat_heads_layout", "test_target_verify_tree"}  # capabilities it does not declare
+    assert {name for name, outcome in results.items() if outcome.status != "passed"} == skipped
+    assert {results[name].status for name in skipped} == {"skipped"}
 
 
 def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, str], Outcome]) -> None:
@@ -441,12 +462,28 @@ def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, st
 def test_kit_holds_a_backend_to_the_flat_heads_it_declares(kit_results: dict[tuple[str, str], Outcome]) -> None:
     assert outcomes(kit_results, "TestCorrect")["test_flat_heads_layout"].status == "skipped"
     keeps = outcomes(kit_results, "TestFlatHeads")
-    assert {outcome.status for outcome in keeps.values()} == {"passed"}
+    assert {o.status for name, o in keeps.items() if name != "test_target_verify_tree"} == {"passed"}
     liar = outcomes(kit_results, "TestFlatLiar")
     assert failed(liar) == {"test_flat_heads_layout"}
     assert liar["test_flat_heads_layout"].message.startswith(
         "flat_heads: extend: output shape (25, 8, 32) for a [tokens, num_heads * head_dim] query, expected (25, 256)"
     ), liar["test_flat_heads_layout"].message
+
+
+def test_kit_catches_a_backend_that_declares_trees_but_ignores_the_mask(
+    kit_results: dict[tuple[str, str], Outcome],
+) -> None:
+    correct = outcomes(kit_results, "TestCorrect")["test_target_verify_tree"]
+    assert correct.status == "skipped" and "does not declare tree_mask" in correct.message, correct.message
+    liar = outcomes(kit_results, "TestTreeLiar")
+    assert failed(liar) == {"test_target_verify_tree"}  # chains, draft-extend and branch rows are causal: right
+    message = liar["test_target_verify_tree"].message
+    assert re.match(
+        r"target-verify tree \(float32\), topk 2: max abs error \S+ exceeds 1e-05 \(float32, 8 heads / 2 KV heads, "
+        r"layer 0, request \d, token [2-5] of 6, head \d\)",
+        message,
+    ), message
+    assert reported_error(message) > 1e-2, message  # seeing a sibling's branch is no rounding error
 
 
 def test_kit_fails_kv_written_to_the_wrong_slot(kit_results: dict[tuple[str, str], Outcome]) -> None:
@@ -458,7 +495,9 @@ def test_kit_fails_kv_written_to_the_wrong_slot(kit_results: dict[tuple[str, str
         r"that token's new K \(max abs diff \S+\); it holds new token 1's K",
         message,
     ), message
-    spec_and_wiring = {name for name in KIT_TESTS if name.startswith(("test_spec", "test_discovery", "test_target"))}
+    spec_and_wiring = {
+        name for name in KIT_TESTS if name.startswith(("test_spec", "test_discovery", "test_target_runner"))
+    }
     assert not failed(results) & spec_and_wiring
 
 
@@ -554,8 +593,13 @@ def test_kit_checks_declared_capabilities(kit_results: dict[tuple[str, str], Out
     assert failed(only32) == set() and only32["test_bfloat16"].status == "skipped"
     assert "does not declare bfloat16" in only32["test_bfloat16"].message
     half = outcomes(kit_results, "TestBadHalf")
-    assert failed(half) == {caps} and half["test_bfloat16"].status == "skipped", failed(half)
+    # the speculative cases run in every declared dtype, so they catch the broken float16 path too
+    speculative = {"test_target_verify_chain", "test_draft_extend", "test_draft_decode_over_branch_rows"}
+    assert failed(half) == {caps, *speculative} and half["test_bfloat16"].status == "skipped", failed(half)
     assert half[caps].message.startswith("capabilities: declared float16, head dim 32: extend: max abs error")
+    assert half["test_target_verify_chain"].message.startswith(
+        "target-verify chain (float16): prefill: max abs error"
+    ), half["test_target_verify_chain"].message
     bad = outcomes(kit_results, "TestBadCaps")
     assert failed(bad) == {caps}
     assert bad[caps].message.startswith("capabilities: 'bad_caps' declares capabilities = {'dtypes'")

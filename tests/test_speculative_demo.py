@@ -31,6 +31,19 @@ def test_demo_runs_and_checks_itself() -> None:
         assert f"  {mode} " in out
 
 
+@pytest.mark.parametrize("topk", [2, 3])
+def test_demo_verifies_draft_trees(topk: int) -> None:
+    """The draft proposes a tree on branch rows; the target verifies it in one TARGET_VERIFY with a tree mask."""
+    result = _demo("--steps", "16", "--k", "3", "--topk", str(topk))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"draft proposals (trees of {topk} branches x 3); generated 16 tokens" in out
+    assert "speculative output equals the target's own greedy output: yes" in out
+    assert "each runner dispatched only to its own backend: yes" in out
+    for mode in ("EXTEND", "TARGET_VERIFY", "DECODE", "DRAFT_EXTEND"):
+        assert f"  {mode} " in out
+
+
 def _demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(DEMO), *args], capture_output=True, text=True, env=subprocess_env(), timeout=300
@@ -66,7 +79,7 @@ def test_demo_help_states_its_real_defaults() -> None:
     assert "(default: 24)" in text and "(default: 4)" in text and "(default: 0)" in text
     assert "else torch_native" in text
     docstring_run = (module.__doc__ or "").split("Run:", 1)[1]
-    assert all(flag in docstring_run for flag in ("--steps", "--k", "--draft-backend", "--seed"))
+    assert all(flag in docstring_run for flag in ("--steps", "--k", "--topk", "--draft-backend", "--seed"))
 
 
 @pytest.mark.parametrize(
@@ -74,6 +87,7 @@ def test_demo_help_states_its_real_defaults() -> None:
     [
         (["--no-such-flag"], 2, "unrecognized arguments: --no-such-flag"),
         (["--k", "0"], 2, "argument --k: expected a positive integer, got 0"),
+        (["--topk", "0"], 2, "argument --topk: expected a positive integer, got 0"),
         (["--steps", "many"], 2, "argument --steps: expected a positive integer, got 'many'"),
         (["--draft-backend", "flashinfr"], 2, "did you mean 'flashinfer'?"),
         (["--draft-backend", "flashinfer"], 1, "declared only: no installed plugin implements it"),

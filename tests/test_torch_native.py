@@ -470,3 +470,132 @@ def test_prepare_refuses_more_slots_than_free() -> None:
     with pytest.raises(KVPoolFullError, match="needs 11 token slots"):
         ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 11)])
     assert pool.available_slots == 10
+
+
+# -- speculative trees (ForwardBatch.tree_mask) ----------------------------------------
+
+
+def tree_mask(*parents: Sequence[int]) -> torch.Tensor:
+    """``ForwardBatch.tree_mask`` for one request per parent list (``-1``: the root): each token sees its ancestors."""
+    blocks = []
+    for tree in parents:
+        block = torch.eye(len(tree), dtype=torch.bool)
+        for token, parent in enumerate(tree):
+            if parent >= 0:
+                block[token] |= block[parent]
+        blocks.append(block.flatten())
+    return torch.cat(blocks)
+
+
+def test_tree_verify_by_hand() -> None:
+    """Zero queries weigh every visible key alike, so each output is the mean of the values it may see."""
+    pool = make_pool(1, num_layers=1)
+    layer = AttentionLayer(0, 2, 1, HEAD_DIM)
+    (r,) = alloc(pool, 1)
+    prefill = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 2)])
+    values = torch.arange(5.0).view(5, 1, 1).expand(5, 1, HEAD_DIM)  # token at position p has value p
+    pool.set_kv(0, prefill.out_cache_loc, torch.zeros(2, 1, HEAD_DIM), values[:2])
+    # new tokens 0, 1, 2 at positions 2, 3, 4; tokens 1 and 2 are both children of token 0 (topk 2)
+    batch = ForwardBatch.prepare(pool, ForwardMode.TARGET_VERIFY, [(r, 2, 3)], tree_mask=tree_mask([-1, 0, 0]))
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    q = torch.zeros(3, 2, HEAD_DIM)
+    out = backend.forward(q, torch.zeros(3, 1, HEAD_DIM), values[2:].clone(), layer, batch)
+    # token 0 sees positions 0-2, token 1 sees 0-3, token 2 sees 0, 1, 2 and itself (4) but not its sibling (3)
+    expected = torch.tensor([(0 + 1 + 2) / 3, (0 + 1 + 2 + 3) / 4, (0 + 1 + 2 + 4) / 4])
+    assert torch.allclose(out[:, :, 0], expected.view(3, 1).expand(3, 2), atol=1e-6), out[:, :, 0]
+    assert torch.allclose(reference_attention(q, layer, batch)[:, :, 0].float(), out[:, :, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_tree_verify_matches_the_reference(heads: int, kv_heads: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    pool = make_pool(kv_heads, dtype=dtype)
+    layer = AttentionLayer(0, heads, kv_heads, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, 4)
+    run(backend, pool, ForwardMode.EXTEND, [(reqs[0], 0, 13), (reqs[1], 0, 1), (reqs[2], 0, 30)], layer, dtype)
+    scattered = pool.alloc_slots(9).flip(0)  # a fragmented prefix: the gather path
+    pool.req_to_token[reqs[3], :9] = scattered
+    pool.set_kv(0, scattered, torch.randn(9, kv_heads, HEAD_DIM), torch.randn(9, kv_heads, HEAD_DIM))
+    tol = F32_TOL if dtype == torch.float32 else BF16_TOL
+    cases = [
+        ([(reqs[0], 13, 6), (reqs[1], 1, 6), (reqs[3], 9, 6)], [[-1, 0, 0, 1, 2, 1], [-1, 0, 1, 0, 2, 4]] * 2),
+        ([(reqs[2], 30, 8)], [[-1, 0, 0, 0, 1, 2, 3, 1]]),  # a lone request: the view path
+        ([(reqs[0], 19, 1), (reqs[2], 38, 3)], [[-1], [-1, 0, 0]]),  # a one-token request sees every key
+    ]
+    for requests, trees in cases:
+        mask = tree_mask(*trees[: len(requests)])
+        batch = ForwardBatch.prepare(pool, ForwardMode.TARGET_VERIFY, requests, tree_mask=mask)
+        backend.init_forward_metadata(batch)
+        q, k, v = new_tokens(batch, layer, dtype)
+        out = backend.forward(q, k, v, layer, batch)
+        assert out.dtype == dtype
+        assert max_error(out, q, layer, batch) < tol, requests
+        causal = dataclasses.replace(batch, tree_mask=None)
+        assert float((reference_attention(q, layer, causal) - out.double()).abs().max()) > 0.05, "mask unused"
+
+
+def test_a_tree_in_a_batch_of_one_token_requests_still_masks() -> None:
+    """A one-token request whose block is False must not see itself: the decode path would let it."""
+    pool = make_pool(2)
+    layer = AttentionLayer(0, 4, 2, HEAD_DIM)
+    backend = TorchNativeAttnBackend()
+    reqs = alloc(pool, 2)
+    run(backend, pool, ForwardMode.EXTEND, [(reqs[0], 0, 5), (reqs[1], 0, 7)], layer)
+    mask = torch.tensor([True, False])
+    batch = ForwardBatch.prepare(pool, ForwardMode.TARGET_VERIFY, [(reqs[0], 5, 1), (reqs[1], 7, 1)], tree_mask=mask)
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer)
+    assert max_error(backend.forward(q, k, v, layer, batch), q, layer, batch) < F32_TOL
+
+
+def test_tree_masks_are_built_once_per_batch() -> None:
+    """Per-layer work does not grow with a tree: the second layer reuses the first layer's masks."""
+    pool = make_pool(2)
+    backend = TorchNativeAttnBackend()
+    (r,) = alloc(pool, 1)
+    run(backend, pool, ForwardMode.EXTEND, [(r, 0, 10)], AttentionLayer(0, 8, 2, HEAD_DIM))
+    batch = ForwardBatch.prepare(pool, ForwardMode.TARGET_VERIFY, [(r, 10, 4)], tree_mask=tree_mask([-1, 0, 0, 1]))
+    backend.init_forward_metadata(batch)
+    masks = []
+    for layer_id in (0, 1):
+        layer = AttentionLayer(layer_id, 8, 2, HEAD_DIM)
+        q, k, v = new_tokens(batch, layer)
+        backend.forward(q, k, v, layer, batch)
+        plan = backend._plan
+        assert plan is not None
+        masks.append(plan.requests[0].masks[4])
+    assert masks[0] is masks[1] and masks[0] is not None
+    assert masks[0].shape == (4 * 4, 14)  # the GQA group folded into the query rows
+
+
+@pytest.mark.parametrize(
+    ("mode", "requests", "mask", "message"),
+    [
+        (ForwardMode.DECODE, [(0, 4, 1)], torch.ones(1, dtype=torch.bool), "DECODE batches take no tree_mask"),
+        (ForwardMode.TARGET_VERIFY, [(0, 4, 3)], torch.ones(3, dtype=torch.bool), r"shape \(9,\)"),
+        (ForwardMode.TARGET_VERIFY, [(0, 4, 2)], torch.ones(2, 2, dtype=torch.bool), r"got torch.bool \(2, 2\)"),
+    ],
+)
+def test_prepare_refuses_a_tree_mask_that_does_not_fit(
+    mode: ForwardMode, requests: list[tuple[int, int, int]], mask: torch.Tensor, message: str
+) -> None:
+    pool = make_pool()
+    pool.alloc_request()
+    with pytest.raises(ValueError, match=message):
+        ForwardBatch.prepare(pool, mode, requests, tree_mask=mask)
+    assert pool.available_slots == pool.num_slots  # nothing was allocated
+
+
+def test_forward_batch_checks_its_tree_mask_and_keeps_it_on_the_cache_device() -> None:
+    pool = make_pool()
+    (r,) = alloc(pool, 1)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 2)], tree_mask=torch.tensor([1, 0, 1, 1]))
+    assert batch.tree_mask is not None and batch.tree_mask.dtype == torch.bool
+    assert batch.tree_mask.tolist() == [True, False, True, True] and batch.tree_mask.device == pool.device
+    with pytest.raises(ValueError, match="IDLE batches take no tree_mask"):
+        dataclasses.replace(ForwardBatch.prepare(pool, ForwardMode.IDLE, []), tree_mask=torch.ones(0, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be a bool tensor"):
+        dataclasses.replace(batch, tree_mask=torch.ones(4))

@@ -188,14 +188,7 @@ class ForwardBatch:
         if self.forward_mode is ForwardMode.DECODE and any(e != 1 for e in self.extend_seq_lens_cpu):
             raise ValueError("ForwardBatch: a DECODE batch brings exactly one new token per request")
         if self.tree_mask is not None:
-            if self.forward_mode.is_decode_or_idle():
-                raise ValueError(f"ForwardBatch: a {self.forward_mode.name} batch takes no tree_mask")
-            cells = sum(e * e for e in self.extend_seq_lens_cpu)
-            if self.tree_mask.dtype != torch.bool or tuple(self.tree_mask.shape) != (cells,):
-                raise ValueError(
-                    f"ForwardBatch: tree_mask must be a bool tensor of shape ({cells},) (one extend_len x extend_len "
-                    f"block per request), got {self.tree_mask.dtype} {tuple(self.tree_mask.shape)}"
-                )
+            _check_tree_mask("ForwardBatch", self.forward_mode, self.extend_seq_lens_cpu, self.tree_mask)
 
     @classmethod
     def prepare(
@@ -235,6 +228,9 @@ class ForwardBatch:
                     f"max_context_len={kv_pool.max_context_len}"
                 )
         extend_lens = [e for _, _, e in specs]
+        if tree_mask is not None:  # before the allocation, so a refused mask takes no slot
+            tree_mask = tree_mask.to(device=kv_pool.device, dtype=torch.bool)
+            _check_tree_mask("ForwardBatch.prepare", forward_mode, extend_lens, tree_mask)
         out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
             kv_pool.req_to_token[req, prefix : prefix + extend] = loc
@@ -265,4 +261,16 @@ class ForwardBatch:
             prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=extend,
             tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device, dtype=torch.bool),
+        )
+
+
+def _check_tree_mask(owner: str, mode: ForwardMode, extend_lens: Sequence[int], tree_mask: torch.Tensor) -> None:
+    """Refuse a tree mask the batch cannot have: in a decode or idle batch, or not one bool block per request."""
+    if mode.is_decode_or_idle():
+        raise ValueError(f"{owner}: {mode.name} batches take no tree_mask (a tree is new tokens of an extend)")
+    cells = sum(e * e for e in extend_lens)
+    if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (cells,):
+        raise ValueError(
+            f"{owner}: tree_mask must be a bool tensor of shape ({cells},) (one extend_len x extend_len "
+            f"block per request), got {tree_mask.dtype} {tuple(tree_mask.shape)}"
         )

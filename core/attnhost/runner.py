@@ -16,9 +16,9 @@ import torch
 
 from attnhost import resolution
 from attnhost.availability import check_availability
-from attnhost.backend import AttentionBackend, AttentionLayer, build_backend
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, build_backend, capabilities_of
 from attnhost.context import ForwardContext
-from attnhost.errors import BackendUnavailableError, describe_exception, printable_record
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, describe_exception, printable_record
 from attnhost.forward_batch import ForwardBatch, KVPool, check_size, float_dtype
 from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
@@ -100,6 +100,7 @@ class ModelRunner:
             self.resolution = resolution.resolve_attention_backends(args, self.platform)
             prefill, decode = self.resolution.prefill, self.resolution.decode
         label = get_registry().entry
+        self._capabilities: dict[str, BackendCapabilities] = {}
         backend = self._build_one(prefill)
         built = f"{prefill!r} from {label(prefill).label}"
         if prefill != decode:
@@ -108,6 +109,8 @@ class ModelRunner:
         self.attn_backend = backend
         self.prefill_attention_backend_str = backend.prefill_attention_backend_str = prefill
         self.decode_attention_backend_str = backend.decode_attention_backend_str = decode
+        # The backend name that serves each forward mode, as HybridAttnBackend routes it: what a tree must ask.
+        self._name_by_mode = per_mode(prefill, decode, args.speculative_attention_mode)
         logger.info(
             "%s runner: built attention backend %s; why: %s", self.role, built, "; ".join(self.resolution.trace)
         )
@@ -135,6 +138,7 @@ class ModelRunner:
         except (Exception, SystemExit) as exc:
             raise BackendUnavailableError(f"{where} could not be loaded: {describe_exception(exc)}; {way_out}") from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
+        self._capabilities[name] = capabilities_of(factory)
         backend = build_backend(factory, self, where=where, way_out=way_out, owner=owner)
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
         return backend
@@ -156,8 +160,22 @@ class ModelRunner:
         """Allocate a request slot in this runner's KV cache."""
         return self.kv_pool.alloc_request()
 
-    def prepare_batch(self, mode: ForwardMode, requests: Iterable[tuple[int, int, int]]) -> ForwardBatch:
-        """Allocate KV slots for ``(request, prefix_len, extend_len)`` triples and build the batch."""
-        batch = ForwardBatch.prepare(self.kv_pool, mode, requests)
+    def prepare_batch(
+        self, mode: ForwardMode, requests: Iterable[tuple[int, int, int]], tree_mask: torch.Tensor | None = None
+    ) -> ForwardBatch:
+        """Allocate KV slots for ``(request, prefix_len, extend_len)`` triples and build the batch.
+
+        ``tree_mask`` (``ForwardBatch.tree_mask``'s layout) makes it a speculative tree; a backend that does not
+        declare ``tree_mask`` would silently attend causally, so the tree is refused before any slot is taken.
+        """
+        if tree_mask is not None:
+            name = self._name_by_mode[mode]
+            if not self._capabilities[name].tree_mask:
+                raise UnsupportedFeatureError(
+                    f"{self.role} runner: attention backend {name!r} does not declare tree_mask "
+                    f"(BackendCapabilities), so it cannot attend a speculative tree in a {mode.name} batch; "
+                    "use chains (speculative topk 1) or a backend that declares tree_mask"
+                )
+        batch = ForwardBatch.prepare(self.kv_pool, mode, requests, tree_mask)
         self.attn_backend.init_forward_metadata(batch)
         return batch

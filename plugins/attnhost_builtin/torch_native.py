@@ -24,6 +24,11 @@ choices shape the code:
   never loses for long ones (BENCHMARKS.md).  The one exception is a long
   prefill without prefix: there ``is_causal=True`` avoids materialising a
   ``group * tokens * tokens`` mask at the same speed.
+
+A speculative tree (``ForwardBatch.tree_mask``) changes only which mask a
+request gets: its prefix columns all visible, then its own block of the tree
+mask. It is built once per batch with the causal masks, so a tree verify costs
+per layer what a chain verify of the same size costs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class _RequestPlan:
     seq_len: int
     kv_run: tuple[int, int] | None  # contiguous slot range, read as a view
     kv_index: torch.Tensor | None  # gather indices when the slots are fragmented
+    tree: torch.Tensor | None = None
+    """``[q_len, q_len]`` bool: which of its new tokens each new token sees (a speculative tree); None: causal."""
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     """``kv_index`` as head-major rows (``_head_rows``), by KV head count; built on the first layer."""
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
@@ -97,6 +104,7 @@ class _RequestPlan:
         """Whether SDPA's top-left ``is_causal`` is exact here (square, no prefix) and cheaper."""
         return (
             self.prefix_len == 0
+            and self.tree is None
             and self.q_len > 1
             and (group == 1 or self.q_len >= _CAUSAL_MIN_TOKENS or not self._fold_fits(group))
         )
@@ -119,12 +127,17 @@ class _RequestPlan:
         return recipe
 
     def mask(self, group: int, device: torch.device) -> torch.Tensor | None:
-        """The bottom-right-aligned causal mask, rows repeated per folded head; cached."""
+        """The bottom-right-aligned causal mask (or the prefix and the tree), rows repeated per folded head;
+        cached."""
         if group not in self.masks:
             self.masks[group] = self._build_mask(group, device)
         return self.masks[group]
 
     def _build_mask(self, group: int, device: torch.device) -> torch.Tensor | None:
+        if self.tree is not None:
+            tree = self.tree.to(device)
+            allowed = torch.cat([tree.new_ones((self.q_len, self.prefix_len)), tree], dim=1)
+            return allowed.repeat(group, 1) if self.folds(group) else allowed
         if self.q_len == 1 or self.uses_is_causal(group):
             return None  # a single query sees every key; is_causal needs no mask
         rows = torch.arange(self.q_len, device=device).unsqueeze(1) + self.prefix_len
@@ -208,7 +221,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
 
     # Every path views q itself anyway, so SGLang's [T, heads * dim] layout costs nothing extra.
-    capabilities = BackendCapabilities(flat_heads=True)
+    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True)
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
@@ -228,8 +241,10 @@ class TorchNativeAttnBackend(AttentionBackend):
                 strict=True,
             )
         ]
+        if forward_batch.tree_mask is not None:
+            _plan_trees(plans, forward_batch.tree_mask)
         lone_view = len(plans) == 1 and plans[0].kv_run is not None  # nothing to gather: a view is cheaper
-        if plans and not lone_view and all(plan.q_len == 1 for plan in plans):
+        if plans and not lone_view and all(plan.q_len == 1 and plan.tree is None for plan in plans):
             self._plan = _BatchPlan(forward_batch, plans, (table, rows))
         else:
             longest = max((plan.seq_len for plan in plans if plan.kv_run is None), default=0)
@@ -301,6 +316,20 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
         kv_run=(first, first + seq_len) if contiguous else None,
         kv_index=None if contiguous else slots.clone(),
     )
+
+
+def _plan_trees(plans: list[_RequestPlan], tree_mask: torch.Tensor) -> None:
+    """Give each request its ``[q_len, q_len]`` block of the batch's tree mask (views, no copy).
+
+    A one-token request whose block is True sees every key, as in decode, so it keeps no block and the batch
+    can still take the decode path; checking those blocks is one device sync for the batch, not one each.
+    """
+    blocks = tree_mask.split_with_sizes([plan.q_len * plan.q_len for plan in plans])
+    singles = [i for i, plan in enumerate(plans) if plan.q_len == 1]
+    single_all_true = bool(torch.cat([blocks[i] for i in singles]).all()) if singles else True
+    for plan, block in zip(plans, blocks, strict=True):
+        if plan.q_len > 1 or not single_all_true:
+            plan.tree = block.view(plan.q_len, plan.q_len)
 
 
 def _decode_chunks(

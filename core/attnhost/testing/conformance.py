@@ -29,6 +29,11 @@ Class attributes an author may override: ``backend_name`` (required),
 ``float32_atol``/``bfloat16_atol``/``float16_atol``, ``head_dim`` (unless the
 backend's declared ``capabilities.head_dims`` exclude it), ``seed`` and
 ``check_discovery_imports``.
+
+The speculative batches (verify as a chain and as a tree, draft-extend, draft
+decode over branch rows that share their request's prefix slots) run in every
+float dtype the backend declares; the tree cases only for a backend that
+declares ``capabilities.tree_mask``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from attnhost.registry import BackendEntry
 from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
-from attnhost.testing.cases import HEAD_LAYOUTS
+from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
 from attnhost.testing.reference import reference_attention
 
 __all__ = ["BackendConformance"]
@@ -75,6 +80,19 @@ def _fail(message: str) -> NoReturn:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _tree_mask(*trees: str) -> torch.Tensor:
+    """``ForwardBatch.tree_mask`` for one request per named tree (:data:`SPECULATIVE_TREES`), in order."""
+    blocks = []
+    for name in trees:
+        parents = SPECULATIVE_TREES[name]
+        block = torch.eye(len(parents), dtype=torch.bool)
+        for token, parent in enumerate(parents):
+            if parent >= 0:
+                block[token] |= block[parent]
+        blocks.append(block.flatten())
+    return torch.cat(blocks)
 
 
 @dataclasses.dataclass
@@ -236,6 +254,15 @@ class BackendConformance:
                 f"backend {self.name!r} does not declare {_dtype_name(dtype)} (capabilities.dtypes = {declared})"
             )
 
+    def _declared_float_dtypes(self) -> list[torch.dtype]:
+        """float32, bfloat16, float16: those the backend declares, in that order."""
+        declared = self._capabilities().dtypes
+        return [getattr(torch, name) for name in FLOAT_DTYPES if name in declared]
+
+    def _speculative_runner(self, dtype: torch.dtype) -> ModelRunner:
+        """The draft runner when the backend can draft (draft batches reach it there), else a target runner."""
+        return self._runner(dtype=dtype, is_draft=self.entry.draft)
+
     def _atol(self, dtype: torch.dtype) -> float:
         return {torch.bfloat16: self.bfloat16_atol, torch.float16: self.float16_atol}.get(dtype, self.float32_atol)
 
@@ -252,13 +279,14 @@ class BackendConformance:
         what: str,
         *,
         check: bool = True,
+        tree_mask: torch.Tensor | None = None,
     ) -> _Step:
         """Prepare one batch and run it through every layer; ``check`` compares each output with the reference.
 
         Tests of other properties pass ``check=False``, so a numerical error
         fails the numerics tests only and every failure names one property.
         """
-        batch = self._prepare(runner, mode, requests, what)
+        batch = self._prepare(runner, mode, requests, what, tree_mask)
         return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in runner.layers])
 
     def _extend_twice_then_decode(
@@ -272,10 +300,16 @@ class BackendConformance:
         self._forward(runner, ForwardMode.DECODE, [(r0, a0 + b0, 1), (r1, a1 + b1, 1)], f"{label} decode")
 
     @staticmethod
-    def _prepare(runner: ModelRunner, mode: ForwardMode, requests: Sequence[Request], what: str) -> ForwardBatch:
+    def _prepare(
+        runner: ModelRunner,
+        mode: ForwardMode,
+        requests: Sequence[Request],
+        what: str,
+        tree_mask: torch.Tensor | None = None,
+    ) -> ForwardBatch:
         """``runner.prepare_batch``, which calls the backend's ``init_forward_metadata`` once for the batch."""
         try:
-            return runner.prepare_batch(mode, requests)
+            return runner.prepare_batch(mode, requests, tree_mask)
         except Exception as exc:
             raise AssertionError(
                 f"{what}: init_forward_metadata ({mode.name}) raised {type(exc).__name__}: {exc}"
@@ -624,6 +658,96 @@ class BackendConformance:
             "target-verify batch (draft tokens after a prefix)",
         )
 
+    # -- speculative batches ----------------------------------------------------------
+
+    def test_target_verify_chain(self) -> None:
+        """TARGET_VERIFY as a chain (EAGLE topk 1): each request's draft tokens, causal, after its prefix."""
+        for dtype in self._declared_float_dtypes():
+            label = f"target-verify chain ({_dtype_name(dtype)})"
+            runner = self._runner(dtype=dtype)
+            r = [runner.new_request() for _ in range(3)]
+            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
+            fragmented = self._fragmented_prefix(runner, 17)
+            self._forward(runner, ForwardMode.TARGET_VERIFY, [(r[0], 13, 4), (r[1], 1, 4), (r[2], 30, 4)], label)
+            self._forward(
+                runner, ForwardMode.TARGET_VERIFY, [(fragmented, 17, 4), (r[1], 5, 4)], f"{label}, scattered prefix"
+            )
+            self._forward(runner, ForwardMode.TARGET_VERIFY, [(r[2], 34, 4)], f"{label} of a single request")
+
+    def test_target_verify_tree(self) -> None:
+        """TARGET_VERIFY with ``tree_mask`` (EAGLE topk 2 and 3): a draft token sees the prefix and its ancestors."""
+        if not self._capabilities().tree_mask:
+            pytest.skip(
+                f"backend {self.name!r} does not declare tree_mask (capabilities.tree_mask = False): engines send it "
+                "speculative chains only and refuse a tree run"
+            )
+        for dtype in self._declared_float_dtypes():
+            label = f"target-verify tree ({_dtype_name(dtype)})"
+            runner = self._runner(dtype=dtype)
+            r = [runner.new_request() for _ in range(3)]
+            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
+            fragmented = self._fragmented_prefix(runner, 17)
+            self._forward(
+                runner,
+                ForwardMode.TARGET_VERIFY,
+                [(r[0], 13, 6), (r[1], 1, 6), (r[2], 30, 6)],
+                f"{label}, topk 2",
+                tree_mask=_tree_mask("topk2-6-wide", "topk2-6-deep", "topk2-6-late-sibling"),
+            )
+            self._forward(
+                runner,
+                ForwardMode.TARGET_VERIFY,
+                [(fragmented, 17, 8), (r[1], 7, 8)],
+                f"{label}, topk 3, scattered prefix",
+                tree_mask=_tree_mask("topk3-8-deep", "topk3-8-wide"),
+            )
+            self._forward(
+                runner,
+                ForwardMode.TARGET_VERIFY,
+                [(r[2], 36, 4)],
+                f"{label} of a single request, topk 2",
+                tree_mask=_tree_mask("topk2-4"),
+            )
+
+    def test_draft_extend(self) -> None:
+        """DRAFT_EXTEND and DRAFT_EXTEND_V2: the draft catches up on accepted tokens, causally, ragged."""
+        for dtype in self._declared_float_dtypes():
+            label = f"draft-extend ({_dtype_name(dtype)})"
+            runner = self._speculative_runner(dtype)
+            r = [runner.new_request() for _ in range(3)]
+            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
+            fragmented = self._fragmented_prefix(runner, 17)
+            self._forward(runner, ForwardMode.DRAFT_EXTEND, [(r[0], 13, 3), (r[1], 1, 1), (r[2], 30, 4)], label)
+            self._forward(
+                runner,
+                ForwardMode.DRAFT_EXTEND_V2,
+                [(fragmented, 17, 2), (r[0], 16, 4)],
+                f"{label} v2, scattered prefix",
+            )
+            self._forward(runner, ForwardMode.DRAFT_EXTEND_V2, [(r[2], 34, 3)], f"{label} v2 of a single request")
+
+    def test_draft_decode_over_branch_rows(self) -> None:
+        """Draft DECODE with topk > 1: one batch row per branch; a request's rows share its prefix's slots.
+
+        Backends must not assume that different rows' slots are disjoint: every branch row of a request holds
+        the same prefix slots in ``req_to_token``, then slots of its own branch.
+        """
+        for dtype in self._declared_float_dtypes():
+            label = f"draft decode over branch rows ({_dtype_name(dtype)})"
+            runner = self._speculative_runner(dtype)
+            pool = runner.kv_pool
+            first, second = runner.new_request(), runner.new_request()
+            self._forward(runner, ForwardMode.EXTEND, [(first, 0, 13), (second, 0, 30)], f"{label}: prefill")
+            branches: list[tuple[int, int]] = []  # (row, prefix length)
+            for request, prefix_len, topk in ((first, 13, 3), (second, 30, 2)):
+                for _ in range(topk):
+                    row = runner.new_request()
+                    pool.req_to_token[row, :prefix_len] = pool.req_to_token[request, :prefix_len]
+                    branches.append((row, prefix_len))
+            for step in range(3):
+                rows = [(row, prefix_len + step, 1) for row, prefix_len in branches]
+                self._forward(runner, ForwardMode.DECODE, rows, f"{label}, step {step}")
+
     @pytest.mark.parametrize(("num_heads", "num_kv_heads"), list(HEAD_LAYOUTS.values()), ids=list(HEAD_LAYOUTS))
     def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
         runner = self._runner(num_heads=num_heads, num_kv_heads=num_kv_heads)
@@ -647,7 +771,8 @@ class BackendConformance:
         self._forward(runner, ForwardMode.DECODE, [(fragmented, 17, 1)], "flat_heads: decode over scattered slots")
 
     def test_declared_capabilities_are_valid_and_hold(self) -> None:
-        """What a backend declares, engines act on (dtypes, head dims, CUDA graphs), so the kit checks it."""
+        """What a backend declares, engines act on (dtypes, head dims, CUDA graphs, tree masks), so the kit checks
+        it (that declared tree masks hold: ``test_target_verify_tree``)."""
         try:
             factory = self.entry.spec.load()
         except Exception as exc:
@@ -659,6 +784,13 @@ class BackendConformance:
                 "attnhost.BackendCapabilities; engines would ignore it"
             )
         capabilities = capabilities_of(factory)
+        for flag in ("cuda_graph", "flat_heads", "tree_mask"):
+            value = getattr(capabilities, flag)
+            if not isinstance(value, bool):
+                _fail(
+                    f"capabilities: {self.name!r} declares {flag} = {value!r}, which is not True or False; "
+                    "engines decide on it, so build BackendCapabilities with a bool"
+                )
         for name in capabilities.dtypes:
             dtype = getattr(torch, name, None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

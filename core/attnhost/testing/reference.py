@@ -1,7 +1,8 @@
 """The trusted attention every backend is compared against.
 
 Deliberately naive: float64, an explicit loop over requests, KV heads
-repeated by hand, the causal mask written out, softmax by definition.  It
+repeated by hand, the causal (or speculative tree) mask written out, softmax
+by definition.  It
 shares no code path with any backend (no SDPA), so agreement means something.
 It reads keys and values from the KV cache, exactly as a backend must, so the
 cache has to hold the new tokens' K/V before it is called.
@@ -14,7 +15,7 @@ import torch
 from attnhost.backend import AttentionLayer
 from attnhost.forward_batch import ForwardBatch
 
-__all__ = ["causal_mask", "reference_attention", "reference_request_attention"]
+__all__ = ["causal_mask", "reference_attention", "reference_request_attention", "tree_blocks"]
 
 
 def reference_attention(
@@ -37,6 +38,7 @@ def reference_attention(
     v_buf = pool.v_buffer(layer.layer_id) if v_buffer is None else v_buffer
     q = q.reshape(-1, layer.num_heads, layer.head_dim)
     outputs = [torch.zeros((0, layer.num_heads, layer.head_dim), dtype=torch.float64)]
+    trees = tree_blocks(forward_batch)
     for i in range(forward_batch.batch_size):
         start = forward_batch.extend_start_loc_cpu[i]
         extend = forward_batch.extend_seq_lens_cpu[i]
@@ -50,6 +52,7 @@ def reference_attention(
                 v_buf[slots.to(v_buf.device)].to("cpu"),
                 prefix_len=forward_batch.prefix_lens_cpu[i],
                 scaling=layer.scaling,
+                tree=None if trees is None else trees[i],
             )
         )
     return torch.cat(outputs)
@@ -62,11 +65,14 @@ def reference_request_attention(
     *,
     prefix_len: int,
     scaling: float,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request: ``q`` ``[new, heads, dim]`` over ``k``/``v`` ``[prefix + new, kv_heads, dim]``.
 
     Query head ``h`` uses KV head ``h // (heads // kv_heads)``, SGLang's GQA
-    grouping; query ``i`` sees key ``j`` iff ``j <= prefix_len + i``.
+    grouping; query ``i`` sees key ``j`` iff ``j <= prefix_len + i``, or, given
+    ``tree`` (``[new, new]`` bool, a speculative tree), iff ``j < prefix_len``
+    or ``tree[i, j - prefix_len]``.
     """
     num_new, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -77,7 +83,13 @@ def reference_request_attention(
     k64 = k.to(torch.float64).repeat_interleave(group, dim=1)  # [seq, heads, dim]
     v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * scaling
-    scores = scores.masked_fill(~causal_mask(num_new, seq_len, prefix_len), float("-inf"))
+    if tree is None:
+        visible = causal_mask(num_new, seq_len, prefix_len)
+    else:
+        if tuple(tree.shape) != (num_new, num_new):
+            raise ValueError(f"reference: a tree mask of shape {tuple(tree.shape)} for {num_new} new tokens")
+        visible = torch.cat([torch.ones((num_new, prefix_len), dtype=torch.bool), tree.to("cpu", torch.bool)], 1)
+    scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return torch.einsum("hqk,khd->qhd", weights, v64)
@@ -88,3 +100,13 @@ def causal_mask(num_new: int, seq_len: int, prefix_len: int) -> torch.Tensor:
     rows = torch.arange(num_new).unsqueeze(1) + prefix_len
     cols = torch.arange(seq_len).unsqueeze(0)
     return cols <= rows
+
+
+def tree_blocks(forward_batch: ForwardBatch) -> list[torch.Tensor] | None:
+    """``forward_batch.tree_mask`` cut into each request's ``[extend_len, extend_len]`` block (on the CPU), or
+    ``None`` when the batch is causal."""
+    if forward_batch.tree_mask is None:
+        return None
+    lens = forward_batch.extend_seq_lens_cpu
+    cells = forward_batch.tree_mask.to("cpu").split_with_sizes([e * e for e in lens])
+    return [block.view(e, e) for block, e in zip(cells, lens, strict=True)]

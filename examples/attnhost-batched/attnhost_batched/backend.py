@@ -5,7 +5,9 @@ instead pads the batch into rectangles — queries ``[B, T, ...]`` with
 ``T = max new tokens``, keys ``[B, L, ...]`` with ``L = max sequence length``
 — and runs one matmul, one softmax and one matmul for all of it. A single
 boolean mask ``[B, T, L]`` carries both causality (query ``t`` of request
-``b`` sees key ``j`` iff ``j <= prefix_b + t``) and padding (``j < seq_b``).
+``b`` sees key ``j`` iff ``j <= prefix_b + t``) and padding (``j < seq_b``);
+in a speculative tree (``forward_batch.tree_mask``) each request's block of
+the tree replaces causality among its new tokens.
 
 Everything that depends only on the batch (gather indices, the mask, where
 each real query sits in the padded layout) is built once in
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnhost import AttentionBackend, AttentionLayer
+from attnhost import AttentionBackend, AttentionLayer, BackendCapabilities
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -43,6 +45,8 @@ class _Metadata:
 
 class BatchedMatmulAttnBackend(AttentionBackend):
     """Padded, masked, batched matmul attention over a token-slot KV cache."""
+
+    capabilities = BackendCapabilities(tree_mask=True)  # it honours ForwardBatch.tree_mask: trees, not only chains
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
@@ -65,6 +69,8 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         query_valid = query_idx.unsqueeze(0) < forward_batch.extend_seq_lens.unsqueeze(1)  # [B, T]
         query_pos = forward_batch.prefix_lens.unsqueeze(1) + query_idx.unsqueeze(0)  # absolute positions
         causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
+        if forward_batch.tree_mask is not None:
+            _apply_tree(causal, forward_batch)
         # Every row keeps key 0 (position 0 <= any query position), so softmax never sees an all-masked row.
         allowed = (causal & key_valid.unsqueeze(1)).view(forward_batch.batch_size, 1, 1, max_queries, max_keys)
         self._metadata = _Metadata(forward_batch, key_slots, allowed, query_valid)
@@ -98,3 +104,12 @@ class BatchedMatmulAttnBackend(AttentionBackend):
 
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_queries, layer.num_heads, dim)
         return out[meta.query_valid].to(q.dtype)
+
+
+def _apply_tree(causal: torch.Tensor, forward_batch: ForwardBatch) -> None:
+    """Overwrite each request's new-token columns of ``causal`` with its block of the tree mask (per batch)."""
+    assert forward_batch.tree_mask is not None
+    lens = forward_batch.extend_seq_lens_cpu
+    blocks = forward_batch.tree_mask.split_with_sizes([new * new for new in lens])
+    for b, (prefix, new, block) in enumerate(zip(forward_batch.prefix_lens_cpu, lens, blocks, strict=True)):
+        causal[b, :new, prefix : prefix + new] = block.view(new, new)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attnhost import AttentionBackend, AttentionLayer
+from attnhost import AttentionBackend, AttentionLayer, BackendCapabilities
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -23,6 +23,9 @@ __all__ = ["TinyAttnBackend"]
 
 class TinyAttnBackend(AttentionBackend):
     """Per-request einsum attention in float32, in about forty lines (example plugin)."""
+
+    # It reads ForwardBatch.tree_mask, so engines may send it speculative trees (EAGLE topk > 1), not only chains.
+    capabilities = BackendCapabilities(tree_mask=True)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to precompute: every layer reads the slot table directly."""
@@ -37,6 +40,7 @@ class TinyAttnBackend(AttentionBackend):
         group = layer.num_heads // layer.num_kv_heads
         q = q.view(-1, layer.num_heads, layer.head_dim)
         out = torch.empty_like(q)
+        tree_cell = 0  # where request i's [new, new] block starts in forward_batch.tree_mask
         for i in range(forward_batch.batch_size):
             start, new = forward_batch.extend_start_loc_cpu[i], forward_batch.extend_seq_lens_cpu[i]
             prefix, seq_len = forward_batch.prefix_lens_cpu[i], forward_batch.seq_lens_cpu[i]
@@ -46,6 +50,9 @@ class TinyAttnBackend(AttentionBackend):
             scores = torch.einsum("thd,shd->hts", q[start : start + new].float(), keys) * layer.scaling
             # new token t sits at position prefix + t and sees keys 0..prefix + t
             visible = torch.arange(seq_len, device=q.device) <= prefix + torch.arange(new, device=q.device)[:, None]
+            if forward_batch.tree_mask is not None:  # a speculative tree: the prefix, then only its ancestors
+                visible[:, prefix:] = forward_batch.tree_mask[tree_cell : tree_cell + new * new].view(new, new)
+                tree_cell += new * new
             weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
             out[start : start + new] = torch.einsum("hts,shd->thd", weights, values).to(q.dtype)
         return out
