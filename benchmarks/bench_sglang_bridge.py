@@ -48,11 +48,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "sglang" / "scaffolding"))
 
-import shim  # noqa: E402
+from attnhost_sglang_cpu import shim  # noqa: E402  (the test-only kit, testkits/attnhost-sglang-cpu)
 
-shim.install()  # SGLang imports torchvision at module level (see tests/sglang/scaffolding/shim.py)
+shim.install()  # SGLang imports torchvision at module level (see the kit's shim)
 
 import torch  # noqa: E402
 from _common import interleaved, per_call  # noqa: E402

@@ -1,19 +1,18 @@
 """Tests that run attnhost inside the real SGLang (0.5.23): only in the ``sglang`` tox environment.
 
 The default environment ignores this directory (``tox.ini``); run here
-without SGLang installed, every test is skipped with the reason. Test
-scaffolding lives beside the tests and nowhere else (README.md here lists
-it): SGLang imports torchvision at module level and PyPI's torchvision cannot
-import beside the CPU torch, so ``scaffolding/shim.py`` installs a minimal
-torchvision in this process, and every script SGLang runs from here
-(``probe_sglang.py``, ``scaffolding/run_engine.py``,
-``scaffolding/launch_server.py``) installs it in its own.
+without SGLang installed, every test is skipped with the reason. The CPU
+scaffolding is the test-only distribution ``attnhost-sglang-cpu``
+(testkits/attnhost-sglang-cpu, installed by ``tox -e sglang``); these tests
+only call it. SGLang imports torchvision at module level and PyPI's
+torchvision cannot import beside the CPU torch, so the kit's shim is
+installed in this process, and every script SGLang runs from here
+(``probe_sglang.py``, the kit's ``run_engine`` and ``launch_server``) installs
+it in its own.
 
 Session fixtures: ``model_dir`` (a tiny Llama config, no weights, for
-argument resolution), ``tiny_model`` (the same shape with seeded weights and
-a locally trained tokenizer, plus HF transformers' greedy ids), and
-``sglang_site`` (the test-only platform and probe, installed as
-distributions).
+argument resolution) and ``tiny_model`` (the same shape with seeded weights and
+a locally trained tokenizer, plus HF transformers' greedy ids).
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).parent
-SCAFFOLDING = HERE / "scaffolding"
-sys.path.insert(0, str(HERE))  # the sgl_* helper modules next to this file
 
 try:
     # Asked by distribution, not by module: with tests/ on sys.path this directory is itself a namespace
@@ -40,13 +37,21 @@ try:
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("SGLang is not installed: run `tox -e sglang`", allow_module_level=True)
 
-if str(SCAFFOLDING) not in sys.path:
-    sys.path.insert(0, str(SCAFFOLDING))
-import shim  # noqa: E402
+try:
+    from attnhost_sglang_cpu import shim
+except ImportError:
+    pytest.fail(
+        "the test-only kit attnhost-sglang-cpu is not installed: "
+        "pip install --no-deps testkits/attnhost-sglang-cpu (tox -e sglang does)",
+        pytrace=False,
+    )
 
 shim.install()
 
-from sgl_e2e import NEW_TOKENS, TinyModel  # noqa: E402
+from attnhost_sglang_cpu.e2e import TinyModel  # noqa: E402
+
+#: Greedy ids generated per prompt by every engine test.
+NEW_TOKENS = 8
 
 
 def run_probe(
@@ -77,7 +82,7 @@ def run_probe(
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama config (no weights): enough for SGLang's server-argument resolution."""
-    from sgl_tiny_model import LLAMA_SHAPE
+    from attnhost_sglang_cpu.tiny_model import LLAMA_SHAPE
     from transformers import LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama-config")
@@ -86,15 +91,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def sglang_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from sgl_scaffold import install_test_plugins
-
-    return install_test_plugins(tmp_path_factory.mktemp("sglang-site"))
-
-
-@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    import sgl_tiny_model as tm
+    import attnhost_sglang_cpu.tiny_model as tm
 
     path = tmp_path_factory.mktemp("tiny-llama")
     tm.build_model(path)

@@ -18,13 +18,11 @@ import json
 import logging
 import multiprocessing
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "scaffolding"))
-import shim
+from attnhost_sglang_cpu import shim
 
-# SGLang imports torchvision at module level (see scaffolding/shim.py); the spawned child re-imports this file.
+# SGLang imports torchvision at module level (see the test kit's shim); the spawned child re-imports this file.
 shim.install()
 
 

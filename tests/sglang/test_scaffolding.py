@@ -1,10 +1,13 @@
 """The test-only parts stay test-only: attnhost ships none of them, and each does exactly its one job (issue 16).
 
 * attnhost's installed distribution contains and declares nothing of the
-  scaffolding (no platform entry point, no probe, no torchvision shim).
+  scaffolding (no platform entry point, no probe, no torchvision shim); the
+  scaffolding is the separate, installed distribution ``attnhost-sglang-cpu``.
 * The out-of-tree platform is chosen by SGLang's own platform discovery only
   when ``SGLANG_PLATFORM`` names it, and is then a CPU, out-of-tree platform
-  with SGLang's default capabilities.
+  with SGLang's default capabilities that allows speculative decoding.
+* The kit's general plugins change nothing unless the test platform is
+  selected: without it SGLang's tree kernels stay SGLang's.
 * Without the shim, torchvision cannot be imported in this environment; with
   it, only the names SGLang reads at import time exist, anything else raises,
   and transformers still reports torchvision as not installed.
@@ -19,18 +22,20 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from sgl_scaffold import PLATFORM_NAME, SCAFFOLDING, sglang_env
+import pytest
+from attnhost_sglang_cpu import PLATFORM_NAME, sglang_env
 
-SCAFFOLD_NAMES = ("attnhost_test_platform", "attnhost_test_probe", "torchvision", "shim", "run_engine", "launch_server")
+KIT = "attnhost-sglang-cpu"
+SCAFFOLD_NAMES = ("attnhost_sglang_cpu", "attnhost_test", "torchvision", "shim", "run_engine", "launch_server")
 
 
-def _python(code: str, site: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = sglang_env(site, env)
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = sglang_env(env)
     for name, value in env.items():
         if value == "":
             del full_env[name]
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=180, cwd=SCAFFOLDING
+        [sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=180, cwd=Path.home()
     )
 
 
@@ -47,10 +52,27 @@ def test_attnhost_ships_no_scaffolding() -> None:
         "attnhost.engines.sglang:register"
     ]
     assert not [r for r in dist.requires or [] if r.split()[0].lower() in ("torchvision", "sglang", "transformers")]
+    assert not [r for r in dist.requires or [] if KIT in r]
+
+
+def test_the_scaffolding_is_its_own_installed_distribution() -> None:
+    kit = importlib.metadata.distribution(KIT)
+    assert {(ep.group, ep.name, ep.value) for ep in kit.entry_points} == {
+        ("sglang.srt.platforms", PLATFORM_NAME, "attnhost_sglang_cpu.platform:activate"),
+        ("sglang.srt.plugins", "attnhost_test_cpu_kernels", "attnhost_sglang_cpu.plugin:register"),
+        ("sglang.srt.plugins", "attnhost_test_probe", "attnhost_sglang_cpu.probe:register"),
+    }
+    assert "TEST-ONLY" in (kit.metadata["Summary"] or "")
+    assert kit.requires in (None, [])  # installed --no-deps beside SGLang; it pulls nothing in
+    # the only distribution in SGLang's platform group here
+    platform_dists = {ep.dist.name for ep in importlib.metadata.entry_points(group="sglang.srt.platforms") if ep.dist}
+    assert platform_dists == {KIT}
 
 
 PLATFORM_PROBE = f"""
 import json, os
+from attnhost_sglang_cpu import shim
+shim.install()
 import sglang.srt.platforms as platforms
 from sglang.srt.platforms.interface import PlatformCapabilities
 unnamed = platforms._resolve_platform()  # SGLang's own discovery, with SGLANG_PLATFORM unset
@@ -58,26 +80,70 @@ os.environ["SGLANG_PLATFORM"] = {PLATFORM_NAME!r}
 p = platforms._resolve_platform()  # what current_platform resolves to (the module may have resolved it already)
 print(json.dumps({{"unnamed": type(unnamed).__module__, "cls": type(p).__module__ + "." + type(p).__qualname__,
                   "oot": p.is_out_of_tree(), "device": p.device_type,
-                  "default_caps": p.capabilities == PlatformCapabilities()}}))
+                  "default_caps": p.capabilities == PlatformCapabilities(),
+                  "spec": [p.supports_speculative_algorithm(a) for a in ("STANDALONE", "EAGLE", "NGRAM")],
+                  "kv_pool": p.get_kv_pool_cls(kind="mha").__mro__[1].__name__,
+                  "cache_locs": p.get_speculative_cache_locs_fn().__module__}}))
 """
 
 
-def test_sglang_selects_the_test_platform_only_when_named(sglang_site: Path) -> None:
-    result = _python(PLATFORM_PROBE, sglang_site, SGLANG_PLATFORM="")
+def test_sglang_selects_the_test_platform_only_when_named() -> None:
+    result = _python(PLATFORM_PROBE, SGLANG_PLATFORM="")
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     # Not named: SGLang's auto-discovery asks the plugin, which declines (this machine gets one of SGLang's own).
     assert seen.pop("unnamed").startswith("sglang.srt.platforms")
     assert seen == {
-        "cls": "attnhost_test_platform.AttnhostTestCpuPlatform",
+        "cls": "attnhost_sglang_cpu.platform.AttnhostTestCpuPlatform",
         "oot": True,
         "device": "cpu",
         "default_caps": True,
+        "spec": [True, True, False],
+        "kv_pool": "MHATokenToKVPool",
+        "cache_locs": "attnhost_sglang_cpu.spec_kernels",
     }
-    installed = importlib.metadata.distributions(path=[str(sglang_site)])
-    assert {(ep.group, ep.name) for dist in installed for ep in dist.entry_points} == {
-        ("sglang.srt.platforms", PLATFORM_NAME),
-        ("sglang.srt.plugins", "attnhost_test_probe"),
+
+
+KERNELS_PROBE = """
+import json
+from attnhost_sglang_cpu import shim
+shim.install()
+from sglang.srt.plugins import load_plugins
+from sglang.srt.plugins.hook_registry import HookRegistry
+load_plugins()
+hooks = {t: [[ht.name, h.__qualname__, src.plugin_name if src else None] for ht, h, src in hs]
+         for t, hs in HookRegistry._hooks.items() if ".speculative.spec_tree." in t}
+bound = {}
+if hooks:
+    from sglang.kernels.ops.speculative import spec_tree
+    from sglang.srt.speculative import eagle_utils
+    for name in ("build_tree_kernel_efficient_func", "verify_tree_greedy_func"):
+        fn = getattr(spec_tree, name)
+        bound[name] = [fn is getattr(eagle_utils, name), fn.__wrapped__.__module__]
+print(json.dumps({"hooks": hooks, "bound": bound}))
+"""
+
+
+@pytest.mark.parametrize("selected", [True, False], ids=["platform-selected", "platform-not-selected"])
+def test_the_tree_kernel_stand_ins_replace_sglangs_only_on_the_test_platform(selected: bool) -> None:
+    result = _python(KERNELS_PROBE, **({} if selected else {"SGLANG_PLATFORM": ""}))
+    assert result.returncode == 0, result.stderr[-4000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    if not selected:
+        assert seen == {"hooks": {}, "bound": {}}
+        return
+    module = "sglang.kernels.ops.speculative.spec_tree"
+    assert seen["hooks"] == {
+        f"{module}.build_tree_kernel_efficient_func": [
+            ["REPLACE", "attnhost_test_cpu_build_tree_kernel_efficient", "attnhost_test_cpu_kernels"]
+        ],
+        f"{module}.verify_tree_greedy_func": [
+            ["REPLACE", "attnhost_test_cpu_verify_tree_greedy", "attnhost_test_cpu_kernels"]
+        ],
+    }
+    # applied, and rebound in eagle_utils (which imported them by name)
+    assert seen["bound"] == {
+        name: [True, module] for name in ("build_tree_kernel_efficient_func", "verify_tree_greedy_func")
     }
 
 
@@ -88,7 +154,7 @@ try:
     before = "importable"
 except ImportError:
     before = "absent"
-import shim
+from attnhost_sglang_cpu import shim
 shim.install()
 from torchvision.transforms import InterpolationMode, functional
 from transformers.utils import import_utils
@@ -107,8 +173,8 @@ print(json.dumps({"before": before, "bicubic": InterpolationMode.BICUBIC.value, 
 """
 
 
-def test_torchvision_shim_is_minimal_and_loud(sglang_site: Path) -> None:
-    result = _python(SHIM_PROBE, sglang_site)
+def test_torchvision_shim_is_minimal_and_loud() -> None:
+    result = _python(SHIM_PROBE)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.splitlines()[-1])
     assert seen["before"] == "absent"  # the environment has no torchvision of its own

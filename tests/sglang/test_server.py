@@ -1,9 +1,10 @@
 """The SGLang HTTP server, started as operators start it, answers with HF transformers' greedy ids (issue 16).
 
-``python -m sglang.launch_server`` runs through scaffolding/launch_server.py
-(which only installs the torchvision shim first) on 127.0.0.1 and a free port,
-in its own process group. The test waits for ``/health`` within a bound, asks
-``/generate`` and ``/v1/completions``, ends the server by its PID and then
+``python -m sglang.launch_server`` runs through the test kit's
+``python -m attnhost_sglang_cpu.launch_server`` (which only installs the
+torchvision shim first) on 127.0.0.1 and a free port, in its own process
+group. The test waits for ``/health`` within a bound, asks ``/generate`` and
+``/v1/completions``, ends the server by its PID and then
 checks that no process of its group and no listener on its port is left.
 The backend is ``tiny``, a third-party attnhost plugin (examples/attnhost-tiny).
 """
@@ -15,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sgl_e2e import ADAPTER, NEW_TOKENS, TinyModel, check_probe, read_probe
-from sgl_procs import describe, free_port, kill_group, port_is_free, wait_group_empty
-from sgl_scaffold import PROBE_ENV, SCAFFOLDING, sglang_env
+from attnhost_sglang_cpu import PROBE_ENV, driver_command, sglang_env
+from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, check_probe, read_probe
+from attnhost_sglang_cpu.procs import describe, free_port, kill_group, port_is_free, wait_group_empty
+from conftest import NEW_TOKENS
 
 HEALTH_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 60.0
@@ -88,16 +89,13 @@ class Server:
 
 
 @pytest.fixture(params=list(SERVED))
-def server(
-    request: pytest.FixtureRequest, tiny_model: TinyModel, sglang_site: Path, tmp_path: Path
-) -> Iterator[Server]:
+def server(request: pytest.FixtureRequest, tiny_model: TinyModel, tmp_path: Path) -> Iterator[Server]:
     backend: str = request.param
     port = free_port()
     probe = tmp_path / "probe.jsonl"
     log = tmp_path / "server.log"
-    cmd = [
-        sys.executable,
-        str(SCAFFOLDING / "launch_server.py"),
+    cmd = driver_command(
+        "launch_server",
         "--model-path", str(tiny_model.path),
         "--device", "cpu",
         "--attention-backend", backend,
@@ -106,11 +104,11 @@ def server(
         "--random-seed", "0",
         "--host", "127.0.0.1",
         "--port", str(port),
-    ]  # fmt: skip
+    )  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,
-            env=sglang_env(sglang_site, {PROBE_ENV: str(probe)}),
+            env=sglang_env({PROBE_ENV: str(probe)}),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, so the test can prove the whole group is gone

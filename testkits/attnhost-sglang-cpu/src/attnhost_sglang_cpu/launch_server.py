@@ -1,9 +1,10 @@
-"""``python -m sglang.launch_server ARGS``, with the torchvision shim installed first (test scaffolding).
+"""TEST-ONLY: ``python -m attnhost_sglang_cpu.launch_server ARGS`` is ``python -m sglang.launch_server ARGS`` with
+the torchvision shim installed first.
 
 ``sglang.launch_server`` imports torchvision (through ``sglang.srt.configs``)
 before anything else runs, so the shim has to be installed first, in this
 process and in every child SGLang spawns: the spawned children re-import this
-file as ``__mp_main__``, which runs the module-level :func:`shim.install`
+module as ``__mp_main__``, which runs the module-level :func:`shim.install`
 again but not the server (that is under ``__main__``).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import runpy
 
-import shim
+from attnhost_sglang_cpu import shim
 
 shim.install()
 

@@ -9,8 +9,8 @@ other use raises :class:`ImportError` naming the shim. A text-only model never
 reaches image code, so nothing the tests check is computed here; if something
 did reach it, it fails loudly instead of computing anything.
 
-It is put on ``sys.path`` only by tests/sglang (see tests/sglang/README.md);
-attnhost does not ship or import it. It has no ``dist-info``, so
+It is served only by the test kit's ``attnhost_sglang_cpu.shim.install()`` (see the
+kit's README.md); attnhost does not ship or import it. It has no ``dist-info``, so
 ``importlib.metadata`` still reports torchvision as not installed.
 """
 
@@ -27,7 +27,7 @@ SHIM = True
 def unavailable(module: str, name: str) -> NoReturn:
     raise ImportError(
         f"{module}.{name} is not available: torchvision here is attnhost's SGLang test shim "
-        "(tests/sglang/scaffolding/torchvision_shim), which only lets SGLang's module-level imports succeed; "
+        "(the attnhost-sglang-cpu test kit), which only lets SGLang's module-level imports succeed; "
         "install a torchvision build matching torch to use image processing."
     )
 

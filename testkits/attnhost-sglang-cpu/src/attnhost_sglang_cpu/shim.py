@@ -1,10 +1,10 @@
-"""Install the torchvision import shim in this process (attnhost's SGLang test scaffolding).
+"""TEST-ONLY: install the torchvision import shim in this process.
 
 SGLang 0.5.23 imports torchvision at module level, and PyPI's torchvision
 cannot be imported beside the CPU torch the tests use. :func:`install` lets
-``import torchvision...`` find the minimal package in ``torchvision_shim/``
-(see its docstring) through a ``sys.meta_path`` finder. The finder is
-per-process on purpose: unlike a ``sys.path`` entry it is not handed to
+``import torchvision...`` find the minimal package in this kit's
+``_torchvision_shim/`` (see its docstring) through a ``sys.meta_path``
+finder. The finder is per-process on purpose: unlike a ``sys.path`` entry it is not handed to
 spawned children, so each process installs it itself (the launcher and the
 engine driver do it at module level, which SGLang's spawned children
 re-execute when they re-import ``__main__``).
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-SHIM_DIR = Path(__file__).resolve().parent / "torchvision_shim"
+SHIM_DIR = Path(__file__).resolve().parent / "_torchvision_shim"
 
 
 class _ShimFinder(importlib.abc.MetaPathFinder):

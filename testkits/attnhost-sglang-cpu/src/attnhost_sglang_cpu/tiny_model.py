@@ -1,14 +1,19 @@
-"""A tiny Llama-style model and tokenizer, made locally and seeded (no download).
+"""TEST-ONLY: a tiny Llama-style model, its tokenizer and draft models, made locally and seeded (no download).
 
 The weights are random, so the generated text means nothing; what the tests
 compare is token ids, greedy, between HF transformers and SGLang. The
 tokenizer is a byte-level BPE trained here on a seeded synthetic corpus with
 exactly ``VOCAB`` entries, so every id the model can produce decodes.
+Draft models for speculative decoding (:func:`build_draft_model`) share the
+target's tokenizer and vocabulary: a smaller random one (its drafts are mostly
+rejected, so the output must still equal the target's) or a copy of the target
+(its drafts are accepted).
 """
 
 from __future__ import annotations
 
 import random
+import shutil
 from pathlib import Path
 
 VOCAB = 1024
@@ -58,16 +63,21 @@ def build_tokenizer(out: Path, seed: int = SEED) -> None:
     fast.save_pretrained(out)
 
 
-def build_model(out: Path, seed: int = SEED) -> None:
+def build_model(out: Path, seed: int = SEED, *, layers: int | None = None) -> None:
     """Write a seeded random LlamaForCausalLM (float32) and its tokenizer to *out*."""
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out, seed)
+    _write_llama(out, seed, layers=layers)
+
+
+def _write_llama(out: Path, seed: int, *, layers: int | None = None) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, seed)
     tok = AutoTokenizer.from_pretrained(out)
+    shape = dict(LLAMA_SHAPE) if layers is None else {**LLAMA_SHAPE, "num_hidden_layers": layers}
     config = LlamaConfig(
-        **LLAMA_SHAPE,
+        **shape,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
@@ -76,6 +86,28 @@ def build_model(out: Path, seed: int = SEED) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(out)
+
+
+#: The draft a speculative run gets by default: one layer, other seed (its drafts are mostly wrong).
+DRAFT_SEED = 4321
+DRAFT_LAYERS = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_draft_model(out: Path, target: Path, *, copy_of_target: bool = False, seed: int = DRAFT_SEED) -> None:
+    """A draft model for *target* (built by :func:`build_model`) at *out*, with the target's tokenizer and vocabulary.
+
+    ``copy_of_target=True`` copies the target's weights (every draft a greedy target would pick is proposed, so
+    drafts are accepted); otherwise a seeded random one-layer Llama of the same width (drafts mostly rejected).
+    """
+    if copy_of_target:
+        shutil.copytree(target, out, dirs_exist_ok=True)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (target / name).exists():
+            shutil.copy2(target / name, out / name)
+    _write_llama(out, seed, layers=DRAFT_LAYERS)
 
 
 def prompt_ids(model_dir: Path) -> list[list[int]]:

@@ -1,0 +1,113 @@
+"""TEST-ONLY: run engine jobs through the driver and read what the probe recorded.
+
+:func:`run_engines` runs :mod:`attnhost_sglang_cpu.run_engine` in a fresh
+interpreter and process group with every run of a job, engine after engine.
+A run whose scheduler crashes takes SGLang's driver down with it (SGLang kills
+its process tree on a child's failure), so the driver is started again for
+the runs after it; the crashed run reports the driver's exit and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attnhost_sglang_cpu import driver_command, sglang_env
+from attnhost_sglang_cpu.procs import Finished, run_in_group
+
+#: SGLang's own class for its torch_native, and attnhost's adapter for every attnhost backend.
+SGLANG_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+SGLANG_TRITON = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
+ADAPTER = "attnhost.engines.sglang.adapter.SGLangAdapterBackend"
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    path: Path
+    prompts: list[list[int]]
+    hf_ids: list[list[int]]  # HF transformers' greedy continuation of each prompt
+
+
+@dataclass(frozen=True)
+class EngineRuns:
+    drivers: list[Finished]  # one per driver start (more than one only when a crash ended a driver early)
+    results: dict[str, dict[str, Any]]  # by run name
+    probes: dict[str, Path]  # by run name
+
+
+def run_engines(
+    model: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    runs: Sequence[Mapping[str, Any]],
+    probes_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 540,
+) -> EngineRuns:
+    """Run each of *runs* (``{"name", "backend", "engine_args", "env"}``, see run_engine) in one driver process."""
+    by_name = {run.get("name", run["backend"]): dict(run) for run in runs}
+    probes = {name: probes_dir / f"{name}.jsonl" for name in by_name}
+    results: dict[str, dict[str, Any]] = {}
+    drivers: list[Finished] = []
+    remaining = list(by_name)
+    while remaining:
+        job = {
+            "model": str(model),
+            "prompts": prompts,
+            "new_tokens": new_tokens,
+            "runs": [{**by_name[name], "name": name, "probe": str(probes[name])} for name in remaining],
+        }
+        done = run_in_group(driver_command("run_engine", json.dumps(job)), sglang_env(env), timeout=timeout)
+        drivers.append(done)
+        for line in done.stdout.splitlines():
+            if line.startswith("{"):
+                record = json.loads(line)
+                results[record["name"]] = record
+        missing = [name for name in remaining if name not in results]
+        if missing:
+            results[missing[0]] = {
+                "name": missing[0],
+                "backend": by_name[missing[0]]["backend"],
+                "error": f"the engine driver died (exit status {done.returncode}):\n{done.stderr[-4000:]}",
+            }
+        remaining = missing[1:]
+    return EngineRuns(drivers, results, probes)
+
+
+def read_probe(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_probe(records: list[dict[str, Any]], backend: str, expected_class: str, *, not_pid: int) -> None:
+    """Every model runner the probe saw built *expected_class* for *backend* and ran its extend and decode."""
+    runners = [r for r in records if r["event"] == "runner"]
+    assert runners, f"the probe saw no model runner (records: {records})"
+    for runner in runners:
+        assert runner["pid"] != not_pid, "the probe ran in the driver, not in SGLang's spawned scheduler"
+        assert runner["backend_class"] == expected_class, runner
+        assert runner["prefill_attention_backend_str"] == runner["decode_attention_backend_str"] == backend, runner
+        assert runner["backend_prefill_str"] == runner["backend_decode_str"] == backend, runner
+        ran = {
+            r["method"]
+            for r in records
+            if r["event"] == "forward" and r["backend"] == runner["backend"] and r["pid"] == runner["pid"]
+        }
+        assert {"forward_extend", "forward_decode"} <= ran, f"{expected_class} ran only {sorted(ran)}"
+
+
+def modes_by_runner(records: list[dict[str, Any]]) -> dict[str, dict[str, set[str]]]:
+    """``{"target"|"draft": {backend class: {forward modes}}}`` from the probe's ``forward`` and ``metadata``
+    records (a container's per-step children count as the draft's, with the modes they ran)."""
+    out: dict[str, dict[str, set[str]]] = {"target": {}, "draft": {}, "unknown": {}}
+    for r in records:
+        if r["event"] != "forward" or r["mode"] is None:
+            continue
+        role = "unknown" if r["is_draft_worker"] is None else ("draft" if r["is_draft_worker"] else "target")
+        out[role].setdefault(r["backend_class"], set()).add(r["mode"])
+    return out

@@ -1,0 +1,115 @@
+"""TEST-ONLY: run real ``sglang.Engine`` generations one after another and print each one's greedy ids.
+
+``python -m attnhost_sglang_cpu.run_engine JOB_JSON`` where the job is
+``{"model": DIR, "prompts": [[ids]], "new_tokens": N, "runs": [RUN, ...]}`` and
+each run is ``{"name": ID, "backend": NAME, "probe": FILE, "engine_args": {...},
+"env": {...}}`` (``name`` defaults to the backend; ``engine_args`` are further
+``sglang.Engine`` keyword arguments, such as the speculative ones of
+:func:`speculative_args`; ``env`` is set for that run only). It prints one
+JSON line per run: ``{"name", "backend", "output_ids", "meta_info",
+"seconds", "children_left", "driver_pid"}`` or ``{"name", "backend", "error",
+"driver_pid"}``. ``meta_info`` keeps SGLang's speculative counters
+(``spec_verify_ct``, ``spec_accept_length``, ...) per prompt.
+
+Engines run one after another in this process, as a user's script would run
+them; each spawns its own scheduler, which inherits ``ATTNHOST_TEST_PROBE_FILE``
+(set per run) for the probe. The torchvision shim is installed at module
+level, before SGLang is imported, because SGLang's spawned children re-import
+this module as ``__mp_main__`` and need it too. Running in its own
+interpreter keeps SGLang's process-wide state (signal handlers,
+multiprocessing start method, plugin-load guard, platform singleton) out of
+the caller's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from attnhost_sglang_cpu import PROBE_ENV, shim
+
+shim.install()
+
+#: What every engine here gets unless a run overrides it: the CPU, float32, seeded, quiet.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "device": "cpu",
+    "max_total_tokens": 4096,
+    "dtype": "float32",
+    "random_seed": 0,
+    "log_level": "error",
+}
+META_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts", "completion_tokens")
+
+
+def speculative_args(
+    draft_model: str,
+    *,
+    algorithm: str = "STANDALONE",
+    topk: int = 1,
+    num_steps: int = 3,
+    num_draft_tokens: int = 4,
+    draft_backend: str | None = None,
+) -> dict[str, Any]:
+    """The ``sglang.Engine`` keyword arguments of one speculative run (CUDA graphs off: the CPU has none)."""
+    args: dict[str, Any] = {
+        "speculative_algorithm": algorithm,
+        "speculative_draft_model_path": draft_model,
+        "speculative_num_steps": num_steps,
+        "speculative_eagle_topk": topk,
+        "speculative_num_draft_tokens": num_draft_tokens,
+        "disable_cuda_graph": True,
+    }
+    if draft_backend is not None:
+        args["speculative_draft_attention_backend"] = draft_backend
+    return args
+
+
+def run_one(model: str, prompts: list[list[int]], new_tokens: int, backend: str, **engine_args: Any) -> dict[str, Any]:
+    import psutil
+    import sglang as sgl
+
+    start = time.monotonic()
+    engine = sgl.Engine(model_path=model, attention_backend=backend, **{**ENGINE_DEFAULTS, **engine_args})
+    try:
+        outs = engine.generate(
+            input_ids=prompts,
+            sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+        )
+    finally:
+        engine.shutdown()
+    seconds = time.monotonic() - start
+    left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    return {
+        "output_ids": [out["output_ids"] for out in outs],
+        "meta_info": [{k: out["meta_info"][k] for k in META_KEYS if k in out["meta_info"]} for out in outs],
+        "seconds": round(seconds, 2),
+        "children_left": [" ".join(p.cmdline())[:120] for p in left],
+    }
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(argv[0])
+    base_env = dict(os.environ)
+    for run in job["runs"]:
+        os.environ.clear()
+        os.environ.update(base_env)
+        os.environ.update(run.get("env", {}))
+        os.environ[PROBE_ENV] = run.get("probe", "")
+        result: dict[str, Any] = {"name": run.get("name", run["backend"]), "backend": run["backend"]}
+        try:
+            result |= run_one(
+                job["model"], job["prompts"], job["new_tokens"], run["backend"], **run.get("engine_args", {})
+            )
+        except Exception:
+            result["error"] = traceback.format_exc(limit=8)
+        result["driver_pid"] = os.getpid()
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
