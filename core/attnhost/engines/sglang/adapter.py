@@ -63,11 +63,6 @@ _REFUSED_MODES = {
     SGLangForwardMode.DLLM_EXTEND: "diffusion-LLM extend (bidirectional attention)",
     SGLangForwardMode.PREBUILT: "prebuilt (disaggregated decode) batches",
 }
-# Speculative batches whose planned ForwardBatch SGLang may hand to the layers as another object (a padded or
-# replaced copy): the adapter then checks that the two describe the same batch instead of demanding identity.
-_REPLANNED_MODES = (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -469,18 +464,16 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         return out.reshape(tokens, -1)
 
     def _same_batch(self, batch: ForwardBatch, forward_batch: SGLangBatch) -> bool:
-        """Whether another ForwardBatch object describes the speculative batch planned (SGLang plans
-        draft-extend on one object and runs the layers with another): same mode, the same write slots."""
-        planned = self._sglang_batch
-        if batch.forward_mode not in _REPLANNED_MODES or planned is None:
+        """Whether another ForwardBatch object describes the batch planned: SGLang's eager runner copies a
+        pre-planned batch (draft steps, verify, draft-extend) into its static buffers and runs the layers on
+        the copy. Same mode and the same write slots; checked once, then the copy is the planned batch."""
+        planned, loc = self._sglang_batch, forward_batch.out_cache_loc
+        if planned is None or loc is None or forward_batch.forward_mode != planned.forward_mode:
             return False
-        loc, planned_loc = forward_batch.out_cache_loc, planned.out_cache_loc
-        return bool(
-            forward_batch.forward_mode == planned.forward_mode
-            and loc is not None
-            and loc.shape == planned_loc.shape
-            and (loc is planned_loc or loc.data_ptr() == planned_loc.data_ptr() or torch.equal(loc, planned_loc))
-        )
+        if loc.shape != batch.out_cache_loc.shape or not torch.equal(loc.to(torch.int64), batch.out_cache_loc):
+            return False
+        self._sglang_batch = forward_batch
+        return True
 
     # -- what SGLang may ask and an attnhost backend cannot give -----------------------
 
