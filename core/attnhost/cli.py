@@ -50,6 +50,7 @@ def _backend_row(entry: BackendEntry, platform: str) -> dict[str, Any]:
     from attnhost.availability import check_availability
 
     availability = check_availability(entry, platform)
+    factory = entry.spec.factory
     return {
         "name": entry.name,
         "aliases": list(entry.spec.aliases),
@@ -66,7 +67,22 @@ def _backend_row(entry: BackendEntry, platform: str) -> dict[str, Any]:
         "requires": list(entry.spec.requires),
         "provided_by": entry.spec.provided_by,
         "declared_by": entry.declared_by,
+        "factory": factory if isinstance(factory, str) or factory is None else _qualname(factory),
     }
+
+
+def _qualname(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _fallback_on(name: str) -> list[str]:
+    """The platforms whose draft fallback (hook ``attnhost_draft_fallback``) is ``name``, each with its source."""
+    from attnhost.host import get_registry
+    from attnhost.platform import KNOWN_PLATFORMS
+    from attnhost.resolution import ask_platform_hook
+
+    answers = {p: ask_platform_hook("attnhost_draft_fallback", p, get_registry(), draft=True) for p in KNOWN_PLATFORMS}
+    return [f"{platform} ({source})" for platform, (answer, source) in answers.items() if answer == name]
 
 
 def _available(row: dict[str, Any]) -> str:
@@ -81,7 +97,8 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     registry = get_registry()
     if args.name is not None:
         row = _backend_row(registry.entry(args.name), platform)  # UnknownBackendError, with "did you mean"
-        return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform), width)
+        row["draft_fallback_on"] = _fallback_on(row["name"]) if registry.is_draft_capable(row["name"]) else []
+        return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform, width), width)
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
     if args.available:
         rows = [row for row in rows if row["available"]]
@@ -97,7 +114,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
         cells = [row["name"] + aliases, ",".join(row["roles"]), row["plugin"]]
         if width is None:
             dist = _distribution(row["distribution"], row["version"])
-            cells += [dist, "yes" if row["implemented"] else "no", _available(row), row["description"]]
+            cells += [dist, "yes" if row["implemented"] else "no", _available(row), row["description"] or "-"]
         elif row["available"]:
             cells.append("yes")
         else:
@@ -126,7 +143,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     return lines
 
 
-def _facts(row: dict[str, Any], platform: str) -> list[list[str]]:
+def _facts(row: dict[str, Any], platform: str, width: int | None) -> list[list[str]]:
     plugin = f"{row['plugin']} ({_distribution(row['distribution'], row['version'])})"
     if row["declared_by"] and row["declared_by"] != row["plugin"]:
         plugin += f"; the name was declared by {row['declared_by']}"
@@ -140,6 +157,8 @@ def _facts(row: dict[str, Any], platform: str) -> list[list[str]]:
         ["platforms", ", ".join(row["platforms"]) or "any"],
         ["requires", ", ".join(row["requires"]) or "-"],
         ["provided by", row["provided_by"] or "-"],
+        ["draft fallback", "on " + "; ".join(row["draft_fallback_on"]) if row["draft_fallback_on"] else "-"],
+        *([["factory", row["factory"] or "-"]] if width is None else []),
         [f"on {platform}", _available(row)],
     ]
 
@@ -167,6 +186,12 @@ def _cmd_plugins(args: argparse.Namespace, width: int | None) -> list[str] | dic
     for info in plugins:
         for warning in info.warnings:
             lines += wrap(f"warning: {warning}", width, hanging="    ")
+    from attnhost.availability import check_availability
+
+    with contextlib.suppress(PluginLoadError):  # a loaded plugin whose factory is not there is loaded, not well
+        for entry in default_host().registry().entries():
+            if (reason := check_availability(entry, "").reason or "").startswith("factory module"):
+                lines += wrap(f"warning: backend {entry.name!r}: {reason}", width, hanging="    ")
     return lines
 
 

@@ -91,7 +91,7 @@ class ShorthandPlugin:
     def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
         self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
         self.backend_class = backend_class
-        doc = (inspect.getdoc(backend_class) or "").strip()
+        doc = inspect.cleandoc(vars(backend_class).get("__doc__") or "")  # its own: a base's describes no backend
         self.description = doc.splitlines()[0] if doc else ""
 
     @hookimpl

@@ -8,6 +8,7 @@ answers it; Ascend's ``torch_npu`` is a separate package whose presence suffices
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -56,10 +57,16 @@ def torch_build_info() -> dict[str, str | None]:
 
 
 def module_installed(module: str) -> bool:
-    """Whether ``module`` can be imported, without importing it: only its top-level package is looked up, as
-    ``find_spec`` of a dotted name would import the parent package (what availability checks must not do)."""
+    """Whether ``module`` can be imported, without importing it or its packages: each part is looked up on its
+    package's search path, as ``find_spec`` of a dotted name would import the packages (start-up must not)."""
+    top, *rest = module.split(".")
     try:
-        return importlib.util.find_spec(module.partition(".")[0]) is not None
+        spec = importlib.util.find_spec(top)
+        for depth, part in enumerate(rest, 1):
+            package = sys.modules.get(".".join([top, *rest[: depth - 1]]))
+            path = getattr(package, "__path__", None) or (spec and spec.submodule_search_locations)
+            spec = importlib.machinery.PathFinder.find_spec(part, list(path)) if path else None
+        return spec is not None
     except (ImportError, ValueError):
         return False
 
