@@ -541,7 +541,7 @@ def test_kit_says_where_the_k_v_went(kit_results: dict[tuple[str, str], Outcome]
 
 
 def test_kit_passes_a_shorthand_class_without_its_own_docstring(kit_results: dict[tuple[str, str], Outcome]) -> None:
-    results = outcomes(kit_results, "TestNoDocstring")  # numerics and contract decide; tests/test_why_not.py: the warning
+    results = outcomes(kit_results, "TestNoDocstring")  # numerics and contract decide (the warning: test_why_not)
     assert failed(results) == set() and results["test_spec_name_and_description"].status == "passed"
 
 

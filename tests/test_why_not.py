@@ -118,7 +118,9 @@ def test_list_name_shows_where_a_backend_is_the_draft_fallback_and_its_factory(t
     assert [p.partition(" ")[0] for p in data["draft_fallback_on"]] == ["cuda", "xpu", "npu", "mps"], data
     assert data["factory"] is None  # declared only
     shown = json.loads(run_cli("list", "cpu_draft", "--json", path_entries=[tmp_path]).stdout)["backend"]
-    assert shown["factory"] == factory and shown["draft_fallback_on"] == ["cpu (hook attnhost_draft_fallback, plugin 'cpudraft')"]
+    assert shown["factory"] == factory and shown["draft_fallback_on"] == [
+        "cpu (hook attnhost_draft_fallback, plugin 'cpudraft')"
+    ]
 
 
 def test_the_plugin_guide_names_the_importable_base_of_torch_native() -> None:

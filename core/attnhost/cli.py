@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from attnhost import __version__, settings
-from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError, printable
-from attnhost.terminal import fit_table, terminal_width, wrap
+from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError, bounded, printable
+from attnhost.terminal import ENCODING, fit_table, terminal_width, wrap
 
 if TYPE_CHECKING:
     from attnhost.registry import BackendEntry
@@ -34,12 +34,12 @@ class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line, not a usage dump."""
 
     def error(self, message: str) -> NoReturn:
-        raise SystemExit(f"{self.prog}: error: {message} (see `{self.prog} --help`)")  # exit status 2
+        raise SystemExit(f"attnhost: error: {message} (see `{self.prog} --help`)")  # exit status 2; one prefix
 
 
 class _WarningFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return printable(f"attnhost: {record.levelname.lower()}: {record.getMessage()}")
+        return bounded(printable(f"attnhost: {record.levelname.lower()}: {record.getMessage()}"), 2000)
 
 
 def _distribution(name: str | None, version: str | None) -> str:
@@ -91,7 +91,7 @@ def _available(row: dict[str, Any]) -> str:
 
 def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.host import default_host, get_registry
-    from attnhost.platform import current_platform, describe_detection
+    from attnhost.platform import TORCH_HINT, current_platform, describe_detection, module_installed
 
     platform = current_platform(args.platform)
     registry = get_registry()
@@ -102,6 +102,8 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
     if args.available:
         rows = [row for row in rows if row["available"]]
+        if not rows and not module_installed("torch"):  # every backend that runs attention needs it
+            return [f"nothing can run on platform {platform} until torch is installed: {TORCH_HINT}"]
     plugins = default_host().plugins()
     if args.json:
         return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
@@ -354,6 +356,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
     logger.propagate = False
+    encoding = str(getattr(out, "encoding", None) or "utf-8")
+    ENCODING.extend([] if encoding.lower().replace("-", "").replace("_", "") == "utf8" else [encoding])
     try:
         status = _run(argv, out, err, is_program)
         try:
@@ -361,6 +365,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         except OSError as exc:
             status = _write_failed(exc, out, err, is_program)
     finally:
+        del ENCODING[:]
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
@@ -385,13 +390,19 @@ def _run(argv: list[str], out: TextIO, err: TextIO, is_program: bool) -> int:
     """Runs the command: every error becomes at most one line on ``err``, and an exit status."""
 
     def fail(message: str, status: int) -> int:
-        err.write(printable(message.rstrip()) + "\n")
+        err.write(bounded(printable(message.rstrip()), 2000) + "\n")
         return status
 
     debug = settings.env_flag(settings.DEBUG_ENV)
     try:
         width = terminal_width()
         parser = _build_parser(argv, width)
+        if argv and not argv[0].startswith("-") and argv[0] not in (names := [c[0] for c in _COMMANDS]):
+            import difflib  # a mistyped command gets the hint a mistyped backend name gets
+
+            close = difflib.get_close_matches(argv[0], names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"choose from: {', '.join(names)}"
+            parser.error(f"unknown command {bounded(repr(argv[0]))}; {hint}")
         args, extra = parser.parse_known_args(argv)
         if args.command is None:  # `attnhost` / `python -m attnhost` alone: the common question
             args, extra = parser.parse_known_args(["list", *argv])  # with list's own flags: `attnhost --json`

@@ -197,10 +197,11 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
                 where, why = dist.locate_file(""), describe_exception(exc)
                 message = "distribution %s at %s has unreadable metadata (%s), so its entry points are skipped"
                 logging.getLogger("attnhost").warning(message + "; reinstall or remove it", label, where, why)
+                found.append(None)  # not cached: a hit would not repeat this warning, and every start must
     index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[Row] = []
-    for ep in found:
+    for ep in filter(None, found):
         dist = ep.dist
         assert dist is not None  # importlib_metadata reads every entry point from a distribution
         name = version = source = ""
@@ -215,7 +216,7 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
                 source = os.path.join(location, child)
                 rows.append((ep.name, ep.value, name, version, idx, child))
         records.append(EntryPointRecord(ep.name, ep.value, group, name, version, location, source))
-    cacheable = len(rows) == len(records) and _paths() == path  # sys.path changed: the answer is for either
+    cacheable = len(rows) == len(found) and _paths() == path  # sys.path changed: the answer is for either
     return tuple(records), rows if cacheable else None
 
 

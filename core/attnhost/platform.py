@@ -14,13 +14,17 @@ import os
 import re
 import sys
 
-from attnhost.errors import PlatformError
+from attnhost.errors import PlatformError, bounded
 from attnhost.settings import PLATFORM_ENV, current
 
 __all__ = ["KNOWN_PLATFORMS", "current_platform", "describe_detection", "detect_platform", "module_installed"]
 __all__ += ["normalize_platform", "torch_build_info"]
 
 KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
+TORCH_HINT = (
+    "pip install 'attnhost[torch]' (on a CPU-only Linux machine first pip install torch --index-url "
+    "https://download.pytorch.org/whl/cpu, as a plain install brings a multi-GB CUDA build)"
+)
 _SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
 _VERSION_LINE = re.compile(r"^(__version__|hip|cuda|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
 
@@ -36,7 +40,9 @@ def normalize_platform(name: str, *, origin: str = "") -> str:
     close = difflib.get_close_matches(key, KNOWN_PLATFORMS, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     where = f" (from {origin})" if origin else ""
-    raise PlatformError(f"unknown platform {name!r}{where}; {hint}choose from: {', '.join(KNOWN_PLATFORMS)}")
+    raise PlatformError(
+        f"unknown platform {bounded(repr(name))}{where}; {hint}choose from: {', '.join(KNOWN_PLATFORMS)}"
+    )
 
 
 @functools.lru_cache(maxsize=1)

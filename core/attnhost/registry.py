@@ -19,6 +19,7 @@ from attnhost.discovery import PluginInfo, PluginStatus, way_out
 from attnhost.errors import (
     PluginLoadInterrupted,
     UnknownBackendError,
+    bounded,
     describe_exception,
     one_line,
     plugin_label,
@@ -106,18 +107,18 @@ class Registry(Mapping[str, BackendSpec]):
         plugin that failed to load is named like it, that plugin's error (a near name elsewhere would mislead)."""
         import difflib  # only for an unknown name
 
-        key = str(name).lower().replace("-", "_")
+        key, shown = str(name).lower().replace("-", "_"), bounded(repr(name))
         for plugin in self._failed:
             names = {plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")}
             if key and any(other and (key in other or other in key) for other in names):
                 return (
-                    f"unknown attention backend {name!r}: {plugin.origin}, which would likely provide it, failed to "
+                    f"unknown attention backend {shown}: {plugin.origin}, which would likely provide it, failed to "
                     f"load: {plugin.error}; fix that plugin (see `attnhost plugins`)"
                 )
         close = difflib.get_close_matches(str(name), [*self._order, *self._aliases], n=1, cutoff=0.6)
         if close:
-            return f"unknown attention backend {name!r}; did you mean {self.canonical(close[0])!r}?"
-        return f"unknown attention backend {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+            return f"unknown attention backend {shown}; did you mean {self.canonical(close[0])!r}?"
+        return f"unknown attention backend {shown}; choose from: {', '.join(self._order)} (see `attnhost list`)"
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None

@@ -68,6 +68,7 @@ __all__ = ["BackendConformance", "ConformanceWarning"]
 class ConformanceWarning(UserWarning):
     """What the kit reports without failing (a missing description): pytest lists it in its warnings summary."""
 
+
 Request = tuple[int, int, int]
 _STAMPS = ("prefill_attention_backend_str", "decode_attention_backend_str")
 _MISSING = object()
