@@ -12,7 +12,8 @@ group and whose directory name carries no name, renaming it to shadow a plugin; 
 ``sys.meta_path`` (then no cache is used); (e) a cache file rewritten to leave out both a plugin's rows and its
 ``METADATA`` from the plan hides that plugin (it can hide, never add: each row is checked by :func:`chosen`).
 The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group
-or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored, with one debug line.
+or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600``
+whatever the umask; else ignored, with one debug line.
 """
 
 from __future__ import annotations
