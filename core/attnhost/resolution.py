@@ -2,7 +2,8 @@
 
 Operators debug "why is my draft on flashinfer?" from this trace, so every decision appends one readable step. A
 draft backend that cannot run here (flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
-before any runner tries to build it.
+before any runner tries to build it. Inside SGLang the draft decision is SGLang's own resolver, wrapped by the
+bridge (:mod:`attnhost.engines.sglang.bridge`, an AROUND hook) so that a plugin's fallback answers there too.
 """
 
 from __future__ import annotations
