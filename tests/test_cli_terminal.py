@@ -223,13 +223,13 @@ def test_no_command_runs_list() -> None:
     assert with_flag.stdout == run_cli("list", "--available", "--json", env=NARROW).stdout
     bad = run_cli("--bogus", env=NARROW)
     assert bad.returncode == 2
-    assert bad.stderr == "attnhost list: error: unrecognized arguments: --bogus (see `attnhost list --help`)\n"
+    assert bad.stderr == "attnhost: error: unrecognized arguments: --bogus (see `attnhost list --help`)\n"
 
 
 def test_unknown_flag_points_at_the_commands_own_help() -> None:
     result = run_cli("plugins", "--bogus", env=NARROW)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == "attnhost plugins: error: unrecognized arguments: --bogus (see `attnhost plugins --help`)\n"
+    assert result.stderr == "attnhost: error: unrecognized arguments: --bogus (see `attnhost plugins --help`)\n"
 
 
 def test_draft_flag_offers_the_draft_capable_names_with_aliases(site: Path) -> None:

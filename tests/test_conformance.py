@@ -579,12 +579,9 @@ def test_kit_says_where_the_k_v_went(kit_results: dict[tuple[str, str], Outcome]
     assert "written into layer 0" not in rolled
 
 
-def test_kit_fails_a_shorthand_class_without_its_own_docstring(kit_results: dict[tuple[str, str], Outcome]) -> None:
-    results = outcomes(kit_results, "TestNoDocstring")
-    assert failed(results) == {"test_spec_name_and_description"}
-    assert results["test_spec_name_and_description"].message.startswith(
-        "spec: backend 'nodoc' is described by the docstring of AttentionBackend because its class has none of its own"
-    )
+def test_kit_passes_a_shorthand_class_without_its_own_docstring(kit_results: dict[tuple[str, str], Outcome]) -> None:
+    results = outcomes(kit_results, "TestNoDocstring")  # numerics and contract decide (the warning: test_why_not)
+    assert failed(results) == set() and results["test_spec_name_and_description"].status == "passed"
 
 
 def test_kit_checks_declared_capabilities(kit_results: dict[tuple[str, str], Outcome]) -> None:

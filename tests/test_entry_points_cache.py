@@ -21,7 +21,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import importlib_metadata
@@ -581,3 +581,104 @@ def test_concurrent_writers_leave_a_valid_cache(site: Path, xdg: Path) -> None:
     assert [p.name for p in (xdg / "attnhost").iterdir() if p.name.endswith(".tmp")] == []
     out = _run_child(_child_code(SCAN_AND_REPORT), site, xdg)
     assert json.loads(out.splitlines()[1])["cache_hits"] == 1
+
+
+# ------------------------------------------- a hit answers what importlib_metadata would (issue 23, point 13)
+
+
+def _rewrite(change: Callable[[E.Plan, list[E.Row]], tuple[E.Plan, list[E.Row]]]) -> None:
+    """Rewrite the cache file as its owner could: any plan and rows, with the key recomputed for that plan."""
+    file = cache_path()
+    path = E._paths()
+    _, plan, rows = E.decode(file.read_text(), len(path))
+    plan, rows = change(plan, rows)
+    text = E.encode(E.key(E.identity(G, path), path, plan)[0], plan, rows)
+    assert text is not None
+    file.write_text(text)
+    os.chmod(file, 0o600)
+
+
+def _assert_refused(expected: tuple[E.EntryPointRecord, ...]) -> None:
+    E.clear_memo()
+    before = scan_stats()
+    assert scan(G) == expected == tuple(reference_records())
+    assert delta(before).get("cache_hits", 0) == 0 and delta(before)["rejected"] == 1, delta(before)
+
+
+def reference_records() -> list[E.EntryPointRecord]:
+    """importlib_metadata's own answer, as records (the oracle every hit must equal)."""
+    importlib_metadata.MetadataPathFinder.invalidate_caches()
+    return [r for r in scan(G, use_cache=False)]
+
+
+def _also(site: Path, name: str, version: str, eps: dict[str, str]) -> E.Row:
+    """Another metadata directory declaring ``eps`` (settled, then cached honestly), and a row forged from it."""
+    meta = make_dist(site, name, version, {G: eps})
+    settle(WINDOW_NS)
+    E.clear_memo()
+    cached_scan()
+    entry, value = next(iter(eps.items()))
+    return (entry, value, name, version, 0, meta.name)
+
+
+def test_a_row_from_a_bare_egg_info_directory_is_refused(site: Path) -> None:
+    bare = site / "egg-info"  # importlib_metadata reads an `egg-info` directory only inside a `*.egg` path entry
+    bare.mkdir()
+    (bare / "entry_points.txt").write_text(f"[{G}]\nevil = evil_mod\n")
+    (bare / "PKG-INFO").write_text("Metadata-Version: 1.0\nName: evil\nVersion: 1\n")
+    settle(WINDOW_NS)
+    cached_scan()
+    expected = scan(G)
+    assert "evil" not in [r.name for r in expected]
+    _rewrite(lambda plan, rows: (plan, [*rows, ("evil", "evil_mod", "evil", "1", 0, "egg-info")]))
+    _assert_refused(expected)
+
+
+def test_a_row_from_the_second_same_named_dist_info_of_a_directory_is_refused(site: Path) -> None:
+    old = _also(site, "plug-a", "0.5", {"a_old": "plug_a_old:plugin"})
+    expected = scan(G)
+    chosen = next(r for r in expected if r.distribution == "plug-a")  # the first in the directory's listing order
+    forged = old if chosen.name == "a" else ("a", "plug_a:plugin", "plug-a", "1.0", 0, "plug_a-1.0.dist-info")
+    _rewrite(lambda plan, rows: (plan, [*rows, forged]))
+    _assert_refused(expected)
+
+
+def test_a_row_of_a_distribution_shadowed_earlier_on_the_path_is_refused(
+    site: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    early = tmp_path / "early"
+    make_dist(early, "plug-a", "2.0", {G: {"a2": "plug_a2:plugin"}})
+    monkeypatch.setattr(sys, "path", [str(early), *sys.path])
+    settle(WINDOW_NS)
+    E.clear_memo()
+    cached_scan()
+    expected = scan(G)
+    assert "a" not in [r.name for r in expected] and "a2" in [r.name for r in expected]
+    _rewrite(lambda plan, rows: (plan, [*rows, ("a", "plug_a:plugin", "plug-a", "1.0", 1, "plug_a-1.0.dist-info")]))
+    _assert_refused(expected)
+
+
+def test_a_row_with_another_distribution_is_refused(site: Path) -> None:
+    cached_scan()
+    expected = scan(G)
+    _rewrite(lambda plan, rows: (plan, [(*row[:2], "attnhost", *row[3:]) for row in rows]))
+    _assert_refused(expected)
+
+
+def test_dropping_the_rows_is_refused(site: Path) -> None:
+    cached_scan()
+    expected = scan(G)
+    _rewrite(lambda plan, rows: (plan, []))
+    _assert_refused(expected)
+
+
+def test_a_shortened_plan_is_refused(site: Path) -> None:
+    cached_scan()
+    expected = scan(G)
+
+    def drop_b(plan: E.Plan, rows: list[E.Row]) -> tuple[E.Plan, list[E.Row]]:
+        shorter = [tuple(name for name in names if not name.startswith("plug_b")) for names in plan]
+        return shorter, [row for row in rows if row[0] != "b"]
+
+    _rewrite(drop_b)
+    _assert_refused(expected)

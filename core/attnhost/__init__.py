@@ -50,10 +50,10 @@ def __getattr__(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if (exc.name or "").partition(".")[0] != "torch":
             raise
+        from attnhost.platform import TORCH_HINT
+
         raise ModuleNotFoundError(
-            f"attnhost.{name} needs torch, which is not installed: pip install 'attnhost[torch]' (on a "
-            "CPU-only Linux machine first pip install torch --index-url https://download.pytorch.org/whl/cpu, "
-            "as a plain install brings a multi-GB CUDA build)",
+            f"attnhost.{name} needs torch, which is not installed: {TORCH_HINT}",
             name="torch",
         ) from None
     globals()[name] = value

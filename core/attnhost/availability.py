@@ -39,17 +39,16 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
         summary = "declared only: no installed plugin implements it"
         builds_on = f" (a plugin would build it on {printable(spec.provided_by)})" if spec.provided_by else ""
         return Availability(False, summary + builds_on, summary)
-    if spec.platforms and platform not in spec.platforms:
-        return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
-    missing = [f"module {module!r}" for module in spec.requires if not module_installed(module)]
-    if not missing and isinstance(spec.factory, str) and not module_installed(spec.factory_module or ""):
-        missing = [f"factory module {spec.factory_module!r}"]
-    if not missing:
-        return Availability(True)
     if spec.provided_by:
         fix = f"pip install {printable(spec.provided_by)}"
     elif entry.distribution:
         fix = f"reinstall {printable(entry.distribution)}"
     else:
         fix = "install the package that provides it"
-    return Availability(False, f"{missing[0]} is not installed ({fix})")
+    if isinstance(spec.factory, str) and not module_installed(spec.factory_module or ""):
+        # a typo in the factory, or a module the wheel forgot: platform-independent, so it comes first
+        return Availability(False, f"factory module {spec.factory_module!r} not found ({fix}, or fix the factory)")
+    if spec.platforms and platform not in spec.platforms:
+        return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
+    missing = [module for module in spec.requires if not module_installed(module)]
+    return Availability(True) if not missing else Availability(False, f"module {missing[0]!r} is not installed ({fix})")

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from attnhost.errors import BackendUnavailableError, describe_exception, safe_repr
 from attnhost.forward_mode import ForwardMode
+from attnhost.kv_cache import KVCache, _OnDevice
 
 if TYPE_CHECKING:
-    import torch
     from torch import Tensor
 
     from attnhost.forward_batch import ForwardBatch
@@ -26,31 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache", "build_backend"]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-
-
-class _OnDevice(Protocol):
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-
-class KVCache(_OnDevice, Protocol):
-    """The token-slot KV cache a backend reads and writes, whoever owns it (members: README's plugin guide).
-
-    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches without
-    copying a byte, so rely on exactly this: the K/V buffers may be *strided* views (index, never ``view`` them).
-    """
-
-    @property
-    def req_to_token(self) -> torch.Tensor: ...
-
-    def k_buffer(self, layer_id: int) -> torch.Tensor: ...
-
-    def v_buffer(self, layer_id: int) -> torch.Tensor: ...
-
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 class AttentionRunner(_OnDevice, Protocol):

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from attnhost import __version__, settings
-from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError, printable
-from attnhost.terminal import fit_table, terminal_width, wrap
+from attnhost.errors import AttnhostError, PlatformError, PluginLoadError, UnknownBackendError, bounded, printable
+from attnhost.terminal import ENCODING, fit_table, terminal_width, wrap
 
 if TYPE_CHECKING:
     from attnhost.registry import BackendEntry
@@ -34,12 +34,12 @@ class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line, not a usage dump."""
 
     def error(self, message: str) -> NoReturn:
-        raise SystemExit(f"{self.prog}: error: {message} (see `{self.prog} --help`)")  # exit status 2
+        raise SystemExit(f"attnhost: error: {message} (see `{self.prog} --help`)")  # exit status 2; one prefix
 
 
 class _WarningFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return printable(f"attnhost: {record.levelname.lower()}: {record.getMessage()}")
+        return bounded(printable(f"attnhost: {record.levelname.lower()}: {record.getMessage()}"), 2000)
 
 
 def _distribution(name: str | None, version: str | None) -> str:
@@ -50,6 +50,7 @@ def _backend_row(entry: BackendEntry, platform: str) -> dict[str, Any]:
     from attnhost.availability import check_availability
 
     availability = check_availability(entry, platform)
+    factory = entry.spec.factory
     return {
         "name": entry.name,
         "aliases": list(entry.spec.aliases),
@@ -66,7 +67,22 @@ def _backend_row(entry: BackendEntry, platform: str) -> dict[str, Any]:
         "requires": list(entry.spec.requires),
         "provided_by": entry.spec.provided_by,
         "declared_by": entry.declared_by,
+        "factory": factory if isinstance(factory, str) or factory is None else _qualname(factory),
     }
+
+
+def _qualname(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _fallback_on(name: str) -> list[str]:
+    """The platforms whose draft fallback (hook ``attnhost_draft_fallback``) is ``name``, each with its source."""
+    from attnhost.host import get_registry
+    from attnhost.platform import KNOWN_PLATFORMS
+    from attnhost.resolution import ask_platform_hook
+
+    answers = {p: ask_platform_hook("attnhost_draft_fallback", p, get_registry(), draft=True) for p in KNOWN_PLATFORMS}
+    return [f"{platform} ({source})" for platform, (answer, source) in answers.items() if answer == name]
 
 
 def _available(row: dict[str, Any]) -> str:
@@ -75,16 +91,19 @@ def _available(row: dict[str, Any]) -> str:
 
 def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.host import default_host, get_registry
-    from attnhost.platform import current_platform, describe_detection
+    from attnhost.platform import TORCH_HINT, current_platform, describe_detection, module_installed
 
     platform = current_platform(args.platform)
     registry = get_registry()
     if args.name is not None:
         row = _backend_row(registry.entry(args.name), platform)  # UnknownBackendError, with "did you mean"
-        return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform), width)
+        row["draft_fallback_on"] = _fallback_on(row["name"]) if registry.is_draft_capable(row["name"]) else []
+        return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform, width), width)
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
     if args.available:
         rows = [row for row in rows if row["available"]]
+        if not rows and not module_installed("torch"):  # every backend that runs attention needs it
+            return [f"nothing can run on platform {platform} until torch is installed: {TORCH_HINT}"]
     plugins = default_host().plugins()
     if args.json:
         return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
@@ -97,7 +116,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
         cells = [row["name"] + aliases, ",".join(row["roles"]), row["plugin"]]
         if width is None:
             dist = _distribution(row["distribution"], row["version"])
-            cells += [dist, "yes" if row["implemented"] else "no", _available(row), row["description"]]
+            cells += [dist, "yes" if row["implemented"] else "no", _available(row), row["description"] or "-"]
         elif row["available"]:
             cells.append("yes")
         else:
@@ -126,7 +145,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     return lines
 
 
-def _facts(row: dict[str, Any], platform: str) -> list[list[str]]:
+def _facts(row: dict[str, Any], platform: str, width: int | None) -> list[list[str]]:
     plugin = f"{row['plugin']} ({_distribution(row['distribution'], row['version'])})"
     if row["declared_by"] and row["declared_by"] != row["plugin"]:
         plugin += f"; the name was declared by {row['declared_by']}"
@@ -140,6 +159,8 @@ def _facts(row: dict[str, Any], platform: str) -> list[list[str]]:
         ["platforms", ", ".join(row["platforms"]) or "any"],
         ["requires", ", ".join(row["requires"]) or "-"],
         ["provided by", row["provided_by"] or "-"],
+        ["draft fallback", "on " + "; ".join(row["draft_fallback_on"]) if row["draft_fallback_on"] else "-"],
+        *([["factory", row["factory"] or "-"]] if width is None else []),
         [f"on {platform}", _available(row)],
     ]
 
@@ -167,6 +188,12 @@ def _cmd_plugins(args: argparse.Namespace, width: int | None) -> list[str] | dic
     for info in plugins:
         for warning in info.warnings:
             lines += wrap(f"warning: {warning}", width, hanging="    ")
+    from attnhost.availability import check_availability
+
+    with contextlib.suppress(PluginLoadError):  # a loaded plugin whose factory is not there is loaded, not well
+        for entry in default_host().registry().entries():
+            if (reason := check_availability(entry, "").reason or "").startswith("factory module"):
+                lines += wrap(f"warning: backend {entry.name!r}: {reason}", width, hanging="    ")
     return lines
 
 
@@ -329,6 +356,8 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
     logger.propagate = False
+    encoding = str(getattr(out, "encoding", None) or "utf-8")
+    ENCODING.extend([] if encoding.lower().replace("-", "").replace("_", "") == "utf8" else [encoding])
     try:
         status = _run(argv, out, err, is_program)
         try:
@@ -336,6 +365,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         except OSError as exc:
             status = _write_failed(exc, out, err, is_program)
     finally:
+        del ENCODING[:]
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
@@ -360,13 +390,19 @@ def _run(argv: list[str], out: TextIO, err: TextIO, is_program: bool) -> int:
     """Runs the command: every error becomes at most one line on ``err``, and an exit status."""
 
     def fail(message: str, status: int) -> int:
-        err.write(printable(message.rstrip()) + "\n")
+        err.write(bounded(printable(message.rstrip()), 2000) + "\n")
         return status
 
     debug = settings.env_flag(settings.DEBUG_ENV)
     try:
         width = terminal_width()
         parser = _build_parser(argv, width)
+        if argv and not argv[0].startswith("-") and argv[0] not in (names := [c[0] for c in _COMMANDS]):
+            import difflib  # a mistyped command gets the hint a mistyped backend name gets
+
+            close = difflib.get_close_matches(argv[0], names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"choose from: {', '.join(names)}"
+            parser.error(f"unknown command {bounded(repr(argv[0]))}; {hint}")
         args, extra = parser.parse_known_args(argv)
         if args.command is None:  # `attnhost` / `python -m attnhost` alone: the common question
             args, extra = parser.parse_known_args(["list", *argv])  # with list's own flags: `attnhost --json`

@@ -24,6 +24,7 @@ from attnhost.entry_points import EntryPointRecord, normalize_name
 from attnhost.errors import (
     PluginLoadInterrupted,
     PluginProblem,
+    bounded,
     describe_exception,
     one_line,
     plugin_label,
@@ -47,6 +48,7 @@ logger.addFilter(printable_record)  # plugin text in a log line is escaped
 ENTRY_POINT_GROUP = "sglang.draft_attention_backends"
 BUILTIN_PLUGIN = "builtin"  # attnhost's own entry point: builtin = attnhost_builtin
 BUILTIN_MODULE = "attnhost_builtin"
+MAX_NAMED = 5  # unknown ATTNHOST_PLUGINS names warned about one by one; the rest are counted
 SLOW_IMPORT_WARNING_S = 10.0
 """How long a plugin's import may run before one warning names it; the host keeps waiting either way."""
 _PACKAGE: Any = sys.modules[__name__.rpartition(".")[0]]  # attnhost itself: its parent, not re-imported (layers)
@@ -91,7 +93,7 @@ class ShorthandPlugin:
     def __init__(self, name: str, backend_class: type[AttentionBackend]) -> None:
         self.name = check_backend_name(name, "entry point name (the shorthand's backend name)")
         self.backend_class = backend_class
-        doc = (inspect.getdoc(backend_class) or "").strip()
+        doc = inspect.cleandoc(vars(backend_class).get("__doc__") or "")  # its own: a base's describes no backend
         self.description = doc.splitlines()[0] if doc else ""
 
     @hookimpl
@@ -187,9 +189,8 @@ def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
 
 
 def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
-    return PluginInfo(
-        record.name, record.distribution, record.version, record.value, PluginStatus.LOADED, builtin=builtin
-    )
+    dist = record.distribution or f"{record.source or record.location} (no Name in METADATA)"  # not "in-process"
+    return PluginInfo(record.name, dist, record.version, record.value, PluginStatus.LOADED, builtin=builtin)
 
 
 def _fail(info: PluginInfo, cause: str) -> PluginInfo:
@@ -244,13 +245,20 @@ def load_entry_points(
     import difflib  # only on this warning's path
 
     found = sorted({record.name for record in records} | {BUILTIN_PLUGIN})
-    installed = ", ".join(found)
-    for name in sorted(settings.allow.difference(found)):  # the logger escapes plugin text in the names
+    unknown = sorted(settings.allow.difference(found))
+    for name in unknown[:MAX_NAMED]:  # the logger escapes plugin text in the names
         close = difflib.get_close_matches(name, found, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
+        shown, installed = bounded(repr(name)), bounded(", ".join(found), 1000)
         logger.warning(
-            "%s names plugin %r, which is not installed; %s (installed plugins: %s)", PLUGINS_ENV, name, hint, installed
+            "%s names plugin %s, which is not installed; %s (installed plugins: %s)",
+            PLUGINS_ENV,
+            shown,
+            hint,
+            installed,
         )
+    if len(unknown) > MAX_NAMED:
+        logger.warning("%s names %d more plugins that are not installed", PLUGINS_ENV, len(unknown) - MAX_NAMED)
     return plugins
 
 

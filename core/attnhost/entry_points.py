@@ -9,9 +9,11 @@ in-place edit is seen; and as nothing younger than ``RACY_WINDOW_NS`` is cached,
 Blind spots: (a) a filesystem keeping neither ctime nor mtime; (b) the clock stepped back by more than the racy
 window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry_points.txt`` does not mention the
 group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom finder on
-``sys.meta_path`` (then no cache is used). The file is used only if a regular file of at most
-:data:`MAX_CACHE_BYTES`, the user's and not writable by group or others, in a directory alike, opened with
-``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600`` whatever the umask; else ignored, with one debug line.
+``sys.meta_path`` (then no cache is used); (e) a cache file rewritten to leave out both a plugin's rows and its
+``METADATA`` from the plan hides that plugin (it can hide, never add: each row is checked by :func:`chosen`).
+The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group
+or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600``
+whatever the umask; else ignored, with one debug line.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ def scan(group: str, *, use_cache: bool = True) -> tuple[EntryPointRecord, ...]:
         _STATS["racy_skips"] += 1
         return records
     _MEMO[ident] = (digest, plan, records)
-    text = encode(digest, plan, rows)
+    text = encode(digest, plan, rows) if chosen(path, plan, rows, group) else None  # a hit would be refused
     if file is not None and writable and text is not None and write_cache(file, text):
         _STATS["cache_writes"] += 1
     return records
@@ -161,12 +163,9 @@ def _verified(stored: Stored, ident: str, group: str, path: list[str]) -> _Answe
     digest, plan, rows = stored
     if key(ident, path, plan)[0] != digest:
         return None  # the disk changed: an ordinary miss
-    texts = {where: read_entry_points_text(path[where[0]], where[1]) for where in {row[4:] for row in rows}}
-    for name, value, _, _, idx, child in rows:
-        if not declares(texts[idx, child], group, name, value):
-            _STATS["rejected"] += 1
-            ignored(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare")
-            return None
+    if not chosen(path, plan, rows, group, listed=True):
+        _STATS["rejected"] += 1
+        return None
     records = (EntryPointRecord(n, v, group, d, ver, path[i], os.path.join(path[i], c)) for n, v, d, ver, i, c in rows)
     return digest, plan, tuple(records)
 
@@ -197,10 +196,11 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
                 where, why = dist.locate_file(""), describe_exception(exc)
                 message = "distribution %s at %s has unreadable metadata (%s), so its entry points are skipped"
                 logging.getLogger("attnhost").warning(message + "; reinstall or remove it", label, where, why)
+                found.append(None)  # not cached: a hit would not repeat this warning, and every start must
     index = {os.path.normpath(entry or "."): i for i, entry in reversed(list(enumerate(path)))}  # the first wins
     records: list[EntryPointRecord] = []
     rows: list[Row] = []
-    for ep in found:
+    for ep in filter(None, found):
         dist = ep.dist
         assert dist is not None  # importlib_metadata reads every entry point from a distribution
         name = version = source = ""
@@ -215,7 +215,7 @@ def _from_importlib(group: str, path: list[str]) -> tuple[tuple[EntryPointRecord
                 source = os.path.join(location, child)
                 rows.append((ep.name, ep.value, name, version, idx, child))
         records.append(EntryPointRecord(ep.name, ep.value, group, name, version, location, source))
-    cacheable = len(rows) == len(records) and _paths() == path  # sys.path changed: the answer is for either
+    cacheable = len(rows) == len(found) and _paths() == path  # sys.path changed: the answer is for either
     return tuple(records), rows if cacheable else None
 
 
@@ -325,7 +325,7 @@ def _read(path: str, limit: int, own: bool = False) -> bytes:
 
 
 def read_entry_points_text(entry: str, name: str) -> str | None:
-    """``<entry>/<name>/entry_points.txt`` as text (:func:`declares` splits its lines), if *name* is a metadata dir."""
+    """``<entry>/<name>/entry_points.txt`` as text (:func:`declared` splits its lines), if *name* is a metadata dir."""
     if not _is_metadata_dir(name) or os.sep in name or (os.altsep or os.sep) in name:
         return None
     try:
@@ -334,17 +334,107 @@ def read_entry_points_text(entry: str, name: str) -> str | None:
         return None
 
 
-def declares(text: str | None, group: str, name: str, value: str) -> bool:
-    """Whether an ``entry_points.txt`` text declares ``name = value`` in *group*, as ``importlib_metadata`` reads it."""
-    section = None
+def declared(text: str | None, group: str) -> set[tuple[str, str]]:
+    """The ``(name, value)`` pairs an ``entry_points.txt`` text declares in *group*, as ``importlib_metadata`` reads."""
+    section, found = None, set()
     for line in map(str.strip, (text or "").splitlines()):
         if line.startswith("[") and line.endswith("]"):
             section = line.strip("[]")
-        elif section == group and line and line[0] != "#":
-            left, eq, right = line.partition("=")
-            if eq and left.strip() == name and right.strip() == value:
-                return True
+        elif section == group and line and line[0] != "#" and "=" in line:
+            left, _, right = line.partition("=")
+            found.add((left.strip(), right.strip()))
+    return found
+
+
+def _dist_key(entry: str, child: str) -> str | None:
+    """The name ``importlib_metadata`` files a metadata directory under (its ``Lookup``), normalized; else None."""
+    low = child.lower()
+    if low.endswith((".dist-info", ".egg-info")):
+        return _norm(name) if "__" in (name := _stem_key(child)) else name
+    if low == "egg-info" and entry.lower().endswith(".egg"):
+        return _norm(os.path.basename(entry).rpartition(".")[0].partition("-")[0])
+    return None
+
+
+def _stem_key(child: str) -> str:
+    """``Foo.Bar-1.0.dist-info`` -> ``foo_bar``: the name part of a metadata directory, lower case, ``.`` as ``_``."""
+    return child.lower().rpartition(".")[0].partition("-")[0].replace(".", "_")
+
+
+def _norm(name: str) -> str:
+    """``importlib_metadata``'s ``Prepared.normalize`` (runs of ``-_.`` as one ``_``, lower case), without ``re``."""
+    name = name.lower().replace("-", "_").replace(".", "_")
+    while "__" in name:
+        name = name.replace("__", "_")
+    return name
+
+
+def _named(entry: str, child: str, dist: str) -> bool:
+    """Whether the directory's ``Name`` is *dist*: read only when its own name does not already say so."""
+    if _norm(dist) == _dist_key(entry, child):
+        return True
+    for meta in ("METADATA", "PKG-INFO"):  # the order importlib_metadata reads them in
+        try:
+            head = _read(os.path.join(entry, child, meta), MAX_TEXT_BYTES).decode().partition("\n\n")[0]
+        except (OSError, ValueError):
+            continue
+        return dist in (line[5:].strip() for line in head.splitlines() if line.lower().startswith("name:"))
     return False
+
+
+def chosen(path: list[str], plan: Plan, rows: list[Row], group: str, *, listed: bool = False) -> bool:
+    """Whether *rows* are what the miss path's rules choose: each from the first metadata directory of its name on
+    the path (as ``importlib_metadata`` files it), one the plan keys a ``METADATA``/``PKG-INFO`` of (its
+    ``entry_points.txt`` mentions the group) and of that ``Name``; every entry of the group such a first directory
+    declares is a row; with *listed*, the plan names every metadata directory of each path entry, so a forged
+    plan cannot leave out what shadows a row. Cheap string tests first: a hit runs this over every directory."""
+    got: dict[tuple[int, str], set[tuple[str, str]]] = {}
+    for name, value, _, _, idx, child in rows:
+        got.setdefault((idx, child), set()).add((name, value))
+    keyed: set[tuple[int, str]] = set()  # the directories whose entry_points.txt mentions the group
+    first: dict[str, tuple[int, str]] = {}
+    for idx, names in enumerate(plan):
+        entry, children = path[idx], set()
+        for name in names:  # one pass, the common case inline: a hit runs it for every directory on the path
+            if "/" in name:
+                if name.endswith(("/METADATA", "/PKG-INFO")):
+                    keyed.add((idx, name.partition("/")[0]))
+            elif name.lower().endswith(".dist-info") and "__" not in (key := _stem_key(name)):
+                first.setdefault(key, (idx, name))  # what _dist_key says, with fewer calls
+                children.add(name)
+            elif (dist_key := _dist_key(entry, name)) is not None:
+                first.setdefault(dist_key, (idx, name))
+                children.add(name)
+            elif _is_metadata_dir(name):  # `egg-info` outside a `*.egg`: importlib_metadata reads none of it
+                children.add(name)
+            else:
+                return False  # so the children counted here are the metadata directories counted below
+        if listed:  # counted in C over the joined listing (a name with a line break in it fails the first test)
+            try:
+                listing = os.listdir(entry or ".")
+            except (OSError, ValueError):
+                listing = []
+            text = "\n" + "\n".join(listing).lower() + "\n" if listing else ""
+            count = text.count(".dist-info\n") + text.count(".egg-info\n") + text.count("\negg-info\n")
+            if text.count("\n") != len(listing) + 1 - (not listing) or len(children) != count:
+                ignored(f"its plan does not list the metadata directories of {entry!r}")
+                return False
+            if not children <= set(listing):
+                return False
+    for name, value, dist, _, idx, child in rows:
+        dist_key = _dist_key(path[idx], child)
+        if (idx, child) not in keyed or dist_key is None or first.get(dist_key) != (idx, child):
+            why = f"is not the first metadata directory of {dist!r} on the path"
+            ignored(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare: it {why}")
+            return False
+        if not _named(path[idx], child, dist):
+            ignored(f"it holds entry point {name!r} of {dist!r}, which {path[idx]}/{child} does not declare (its Name)")
+            return False
+    for idx, child in {where for where in keyed if first.get(_dist_key(path[where[0]], where[1]) or "") == where}:
+        if declared(read_entry_points_text(path[idx], child), group) != got.get((idx, child), set()):
+            ignored(f"{path[idx]}/{child} does not declare exactly the entry points the cache holds from it")
+            return False
+    return True
 
 
 def encode(digest: str, plan: Plan, rows: list[Row]) -> str | None:

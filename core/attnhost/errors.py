@@ -115,6 +115,12 @@ def one_line(text: str) -> str:
     return printable(" ".join(text.split()))
 
 
+def bounded(text: str, limit: int = 200) -> str:
+    """``text``, or its first ``limit`` characters and how many there were: outside text echoed in a message (a
+    100,000-character name) must not make a 100 kB line."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def safe_repr(obj: object, limit: int = 60) -> str:
     """A one-line, bounded ``repr`` that survives objects whose ``__repr__`` raises (hostile plugins)."""
     try:

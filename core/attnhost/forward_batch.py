@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnhost.backend import KVCache
 from attnhost.errors import KVPoolFullError
 from attnhost.forward_mode import ForwardMode
+from attnhost.kv_cache import KVCache
 
 __all__ = ["ForwardBatch", "KVPool"]
 

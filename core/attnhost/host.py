@@ -31,6 +31,7 @@ from attnhost.errors import (
     PluginLoadError,
     PluginProblem,
     RegistryFrozenError,
+    bounded,
     printable,
     printable_record,
 )
@@ -161,7 +162,8 @@ class PluginHost:
         parts = [f"{info.origin}: {info.error}" for info in plugins if info.status in bad]
         parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
         missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
-        parts += [f"{PLUGINS_ENV} names plugin {name!r}, which is not installed" for name in missing]
+        parts += [f"{PLUGINS_ENV} names plugin {bounded(repr(name))}, which is not installed" for name in missing[:5]]
+        parts += [f"and {len(missing) - 5} more names of {PLUGINS_ENV}"] if len(missing) > 5 else []
         self._strict_error = None
         if load.strict and parts:  # plugin text (errors, distribution names) in an error message is escaped
             self._strict_error = PluginLoadError(

@@ -8,18 +8,23 @@ answers it; Ascend's ``torch_npu`` is a separate package whose presence suffices
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import importlib.util
 import os
 import re
 import sys
 
-from attnhost.errors import PlatformError
+from attnhost.errors import PlatformError, bounded
 from attnhost.settings import PLATFORM_ENV, current
 
 __all__ = ["KNOWN_PLATFORMS", "current_platform", "describe_detection", "detect_platform", "module_installed"]
 __all__ += ["normalize_platform", "torch_build_info"]
 
 KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
+TORCH_HINT = (
+    "pip install 'attnhost[torch]' (on a CPU-only Linux machine first pip install torch --index-url "
+    "https://download.pytorch.org/whl/cpu, as a plain install brings a multi-GB CUDA build)"
+)
 _SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
 _VERSION_LINE = re.compile(r"^(__version__|hip|cuda|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
 
@@ -35,7 +40,9 @@ def normalize_platform(name: str, *, origin: str = "") -> str:
     close = difflib.get_close_matches(key, KNOWN_PLATFORMS, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     where = f" (from {origin})" if origin else ""
-    raise PlatformError(f"unknown platform {name!r}{where}; {hint}choose from: {', '.join(KNOWN_PLATFORMS)}")
+    raise PlatformError(
+        f"unknown platform {bounded(repr(name))}{where}; {hint}choose from: {', '.join(KNOWN_PLATFORMS)}"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,10 +63,16 @@ def torch_build_info() -> dict[str, str | None]:
 
 
 def module_installed(module: str) -> bool:
-    """Whether ``module`` can be imported, without importing it: only its top-level package is looked up, as
-    ``find_spec`` of a dotted name would import the parent package (what availability checks must not do)."""
+    """Whether ``module`` can be imported, without importing it or its packages: each part is looked up on its
+    package's search path, as ``find_spec`` of a dotted name would import the packages (start-up must not)."""
+    top, *rest = module.split(".")
     try:
-        return importlib.util.find_spec(module.partition(".")[0]) is not None
+        spec = importlib.util.find_spec(top)
+        for depth, part in enumerate(rest, 1):
+            package = sys.modules.get(".".join([top, *rest[: depth - 1]]))
+            path = getattr(package, "__path__", None) or (spec and spec.submodule_search_locations)
+            spec = importlib.machinery.PathFinder.find_spec(part, list(path)) if path else None
+        return spec is not None
     except (ImportError, ValueError):
         return False
 

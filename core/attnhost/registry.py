@@ -19,6 +19,7 @@ from attnhost.discovery import PluginInfo, PluginStatus, way_out
 from attnhost.errors import (
     PluginLoadInterrupted,
     UnknownBackendError,
+    bounded,
     describe_exception,
     one_line,
     plugin_label,
@@ -73,9 +74,16 @@ class Registry(Mapping[str, BackendSpec]):
     """Backend name (or alias) → canonical :class:`BackendSpec`; iteration yields canonical names, and ``drafts``
     keeps the order plugins declared them in (SGLang's for the built-ins)."""
 
-    __slots__ = ("_aliases", "_draft", "_entries", "_order")
+    __slots__ = ("_aliases", "_draft", "_entries", "_failed", "_order")
 
-    def __init__(self, entries: Mapping[str, BackendEntry], aliases: Mapping[str, str], drafts: Sequence[str]) -> None:
+    def __init__(
+        self,
+        entries: Mapping[str, BackendEntry],
+        aliases: Mapping[str, str],
+        drafts: Sequence[str],
+        failed: Sequence[PluginInfo] = (),
+    ) -> None:
+        self._failed = tuple(failed)  # plugins that failed to load: an unknown name may be one they would give
         self._entries = MappingProxyType(dict(entries))
         self._aliases = MappingProxyType(dict(aliases))
         self._order = tuple(entries)
@@ -95,13 +103,22 @@ class Registry(Mapping[str, BackendSpec]):
         return self._entries[canonical]
 
     def unknown_message(self, name: object) -> str:
-        """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere."""
+        """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere — or, when a
+        plugin that failed to load is named like it, that plugin's error (a near name elsewhere would mislead)."""
         import difflib  # only for an unknown name
 
+        key, shown = str(name).lower().replace("-", "_"), bounded(repr(name))
+        for plugin in self._failed:
+            names = {plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")}
+            if key and any(other and (key in other or other in key) for other in names):
+                return (
+                    f"unknown attention backend {shown}: {plugin.origin}, which would likely provide it, failed to "
+                    f"load: {plugin.error}; fix that plugin (see `attnhost plugins`)"
+                )
         close = difflib.get_close_matches(str(name), [*self._order, *self._aliases], n=1, cutoff=0.6)
         if close:
-            return f"unknown attention backend {name!r}; did you mean {self.canonical(close[0])!r}?"
-        return f"unknown attention backend {name!r}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+            return f"unknown attention backend {shown}; did you mean {self.canonical(close[0])!r}?"
+        return f"unknown attention backend {shown}; choose from: {', '.join(self._order)} (see `attnhost list`)"
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None
@@ -255,4 +272,5 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
         else replace(item, backends=())
         for item in contributions
     ]
-    return Registry(entries, aliases, draft_order), plugins
+    failed = [p for p in plugins if p.status is PluginStatus.FAILED]
+    return Registry(entries, aliases, draft_order, failed), plugins

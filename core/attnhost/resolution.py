@@ -2,7 +2,8 @@
 
 Operators debug "why is my draft on flashinfer?" from this trace, so every decision appends one readable step. A
 draft backend that cannot run here (flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
-before any runner tries to build it.
+before any runner tries to build it. Inside SGLang the draft decision is SGLang's own resolver, wrapped by the
+bridge (:mod:`attnhost.engines.sglang.bridge`, an AROUND hook) so that a plugin's fallback answers there too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "DraftResolution",
     "Resolution",
     "TargetResolution",
+    "ask_platform_hook",
     "resolve",
     "resolve_attention_backends",
     "resolve_draft_attention_backend",
@@ -84,7 +86,7 @@ class Resolution:
         }
 
 
-def _ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
+def ask_platform_hook(hook_name: str, platform: str, registry: Registry, *, draft: bool) -> tuple[str, str]:
     """``(answer, source)``: a firstresult platform hook asked plugin by plugin, in pluggy's order; one that raises
     or answers a name the registry cannot use is skipped with a warning, so it cannot stop resolution."""
     pm = default_host().plugin_manager()
@@ -143,7 +145,7 @@ def resolve_attention_backends(args: ServerArgs, platform: str | None = None) ->
     prefill, decode = args.get_attention_backends()
     default = ""
     if prefill is None or decode is None:
-        default, source = _ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
+        default, source = ask_platform_hook("attnhost_default_attention_backend", platform, registry, draft=False)
         trace.append(f"no attention backend flag set: the default for platform {platform} is {default!r} ({source})")
     for half, chosen in (("prefill", prefill), ("decode", decode)):
         if chosen is None:
@@ -174,7 +176,7 @@ def resolve_draft_attention_backend(args: ServerArgs, platform: str | None = Non
         trace.append(f"draft: {candidate!r} is draft-capable; using it")
         return _draft(registry, trace, candidate, how, platform)
     capable = registry.names("draft")
-    fallback, source = _ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
+    fallback, source = ask_platform_hook("attnhost_draft_fallback", platform, registry, draft=True)
     if candidate is None:
         trace.append(
             f"draft: no backend named for target or draft; using the platform fallback {fallback!r} for "

@@ -13,11 +13,19 @@ from collections.abc import Sequence
 
 from attnhost.errors import printable
 
-__all__ = ["ELLIPSIS", "fit_table", "shorten", "terminal_width", "wrap"]
+__all__ = ["ELLIPSIS", "ENCODING", "fit_table", "shorten", "shown", "terminal_width", "wrap"]
 
 ELLIPSIS = "..."
 MIN_LAST = 24  # a wrapping last column keeps at least this many characters a line before other columns shrink
 MIN_WIDTH = 40  # narrower than this, wrapping every line would help no one: lay out for this width instead
+ENCODING: list[str] = []  # while the CLI writes to a stream that is not UTF-8: its encoding (``cli.main`` sets it)
+
+
+def shown(text: str) -> str:
+    """``text`` as it will print: :func:`printable`, and what the output's encoding lacks as the escapes it will
+    become, so a column is as wide on the screen as it was measured."""
+    text = printable(text)
+    return text.encode(ENCODING[-1], "backslashreplace").decode(ENCODING[-1]) if ENCODING else text
 
 
 def terminal_width() -> int:
@@ -33,9 +41,9 @@ def shorten(text: str, width: int) -> str:
 def wrap(text: str, width: int | None, *, indent: str = "", hanging: str | None = None) -> list[str]:
     """One paragraph wrapped to ``width`` (``None``: one line); continuation lines get ``hanging`` or line up."""
     if width is None:
-        return [indent + printable(text)]
+        return [indent + shown(text)]
     lines = textwrap.wrap(
-        printable(text),
+        shown(text),
         width=width,
         initial_indent=indent,
         subsequent_indent=" " * len(indent) if hanging is None else hanging,
@@ -56,7 +64,7 @@ def fit_table(
     Columns in ``flexible`` (not the last) shrink, widest first, down to their header's width; then the last
     column, if ``wrap_last``, wraps under itself. What still does not fit is cut: no line is wider than ``width``.
     """
-    table = [[printable(cell) for cell in row] for row in rows]
+    table = [[shown(cell) for cell in row] for row in rows]
     widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     gap = 2
     if width is not None:

@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, ClassVar, NoReturn
@@ -66,7 +67,12 @@ from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
 from attnhost.testing.reference import reference_attention
 
-__all__ = ["BackendConformance"]
+__all__ = ["BackendConformance", "ConformanceWarning"]
+
+
+class ConformanceWarning(UserWarning):
+    """What the kit reports without failing (a missing description): pytest lists it in its warnings summary."""
+
 
 Request = tuple[int, int, int]
 _STAMPS = ("prefill_attention_backend_str", "decode_attention_backend_str")
@@ -178,7 +184,7 @@ class BackendConformance:
         return self.backend_name
 
     @pytest.fixture(autouse=True)
-    def _attnhost_conformance_setup(self, attnhost_backend_name: str) -> None:
+    def _attnhost_conformance_setup(self, attnhost_backend_name: str, request: pytest.FixtureRequest) -> None:
         registry = get_registry()
         canonical = registry.canonical(attnhost_backend_name)
         if canonical is None:
@@ -187,6 +193,11 @@ class BackendConformance:
         self.entry = registry.entry(canonical)
         # A private generator: the kit must not move torch's global RNG either.
         self._generator = torch.Generator().manual_seed(self.seed)
+        if request.node.originalname != "test_spec_factory_importable_and_available" and self.entry.spec.implemented:
+            try:  # one failure says why (test_spec_factory_importable_and_available); the rest would only repeat it
+                self.entry.spec.load()
+            except Exception:
+                pytest.skip(f"factory not importable: see test_spec_factory_importable_and_available[{self.name}]")
 
     def _require_available(self) -> None:
         platform = current_platform(self.platform)
@@ -454,19 +465,15 @@ class BackendConformance:
         if spec.name != self.name:
             _fail(f"spec: registry entry {self.name!r} carries a spec named {spec.name!r}")
         lines = spec.description.strip().splitlines()
-        if not lines:
-            _fail(
-                f"spec: backend {self.name!r} has no description; give BackendSpec a one-line "
-                "description= (or the shorthand class a docstring): `attnhost list` shows it"
+        if not lines:  # numerics and the contract decide pass or fail; a missing description is only a warning
+            warnings.warn(
+                f"backend {self.name!r} has no description (`attnhost list` shows '-'); give BackendSpec a "
+                "one-line description= (or the shorthand class a docstring of its own)",
+                ConformanceWarning,
+                stacklevel=1,
             )
         if len(lines) > 1:
             _fail(f"spec: the description of {self.name!r} spans {len(lines)} lines; keep it to one")
-        inherited = _inherited_docstring(self.entry)
-        if inherited is not None and lines[0].strip() == inherited[1]:
-            _fail(
-                f"spec: backend {self.name!r} is described by the docstring of {inherited[0]} because its class "
-                "has none of its own; give the shorthand class a one-line docstring saying what the backend is"
-            )
         if not spec.implemented:
             _fail(f"spec: backend {self.name!r} is declared only (no factory); give its BackendSpec a factory=")
 
@@ -491,16 +498,18 @@ class BackendConformance:
 
     def test_spec_factory_importable_and_available(self) -> None:
         spec = self.entry.spec
+        platform = current_platform(self.platform)
+        availability = check_availability(self.entry, platform)
         try:
             factory = spec.load()
         except Exception as exc:
+            if (availability.reason or "").startswith("factory module"):  # the sentence `attnhost list` shows
+                _fail(f"spec: backend {self.name!r} cannot run: {availability.reason}")
             raise AssertionError(
                 f"spec: the factory {spec.factory!r} of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}"
             ) from exc
         if not callable(factory):
             _fail(f"spec: the factory of {self.name!r} is {type(factory).__name__}, not callable")
-        platform = current_platform(self.platform)
-        availability = check_availability(self.entry, platform)
         if not availability.available:
             _fail(
                 f"spec: backend {self.name!r} is not available on {platform}: {availability.reason} "
@@ -1044,21 +1053,6 @@ def _where_it_went(pool: Any, num_layers: int, value: torch.Tensor, kind: str) -
         slots = (buffer == value).flatten(1).all(dim=1).nonzero().flatten().tolist()
         places += [f"layer {layer_id} slot {slot}" for slot in slots[:3]]
     return " and ".join(places)
-
-
-def _inherited_docstring(entry: BackendEntry) -> tuple[str, str] | None:
-    """``(base class, first line)`` when a class factory has no docstring and so shows a base class's."""
-    try:
-        factory = entry.spec.load()
-    except Exception:  # test_spec_factory_importable_and_available reports it
-        return None
-    if not isinstance(factory, type) or vars(factory).get("__doc__"):
-        return None
-    for base in factory.__mro__[1:]:
-        doc = vars(base).get("__doc__")
-        if isinstance(doc, str) and doc.strip():
-            return base.__qualname__, doc.strip().splitlines()[0].strip()
-    return None
 
 
 def _missing_backend_message(name: str) -> str:

@@ -38,10 +38,10 @@ from typing import Any
 
 from attnhost.backend import BackendCapabilities, capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
-from attnhost.engines.sglang import OVERRIDE_ENV
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
 from attnhost.host import default_host
 from attnhost.platform import current_platform
+from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
 
 __all__ = ["adapter_factory", "current_plan", "install"]
 

@@ -18,9 +18,9 @@ import threading
 from typing import Any
 
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
-from attnhost.engines.vllm import OVERRIDE_ENV
 from attnhost.engines.vllm.names import ClassPath, class_path, vllm_name
 from attnhost.errors import BackendUnavailableError
+from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
 __all__ = ["backend_class", "current_plan", "exported", "install", "registered_value"]
 

@@ -1,0 +1,36 @@
+"""The token-slot KV cache as backends see it: below both the backend contract and the batch that carries it, so
+neither imports the other's module to name it (and no torch at run time: plugins import the contract)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVCache"]
+
+
+class _OnDevice(Protocol):
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+class KVCache(_OnDevice, Protocol):
+    """The token-slot KV cache a backend reads and writes, whoever owns it (members: README's plugin guide).
+
+    :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches without
+    copying a byte, so rely on exactly this: the K/V buffers may be *strided* views (index, never ``view`` them).
+    """
+
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor: ...
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
