@@ -63,6 +63,8 @@ _REFUSED_MODES = {
     SGLangForwardMode.DLLM_EXTEND: "diffusion-LLM extend (bidirectional attention)",
     SGLangForwardMode.PREBUILT: "prebuilt (disaggregated decode) batches",
 }
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
