@@ -371,7 +371,8 @@ def run_pytest(
         text=True,
         cwd=cwd,
         env=subprocess_env(path_entries, {"XDG_CACHE_HOME": str(cwd / "xdg-cache")}),
-        timeout=300,
+        # the whole kit against 16 backends: about a minute of CPU, several on a loaded shared machine
+        timeout=900,
     )
     assert junit.exists(), proc.stdout + proc.stderr
     return proc, parse_junit(junit)
@@ -479,8 +480,8 @@ def test_kit_catches_a_backend_that_declares_trees_but_ignores_the_mask(
     assert failed(liar) == {"test_target_verify_tree"}  # chains, draft-extend and branch rows are causal: right
     message = liar["test_target_verify_tree"].message
     assert re.match(
-        r"target-verify tree \(float32\), topk 2: max abs error \S+ exceeds 1e-05 \(float32, 8 heads / 2 KV heads, "
-        r"layer 0, request \d, token [2-5] of 6, head \d\)",
+        r"target-verify tree \(float32\), topk 2 and 3: max abs error \S+ exceeds 1e-05 \(float32, 8 heads / 2 KV "
+        r"heads, layer 0, request \d, token [2-7] of [68], head \d\)",
         message,
     ), message
     assert reported_error(message) > 1e-2, message  # seeing a sibling's branch is no rounding error

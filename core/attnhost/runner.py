@@ -168,7 +168,7 @@ class ModelRunner:
         ``tree_mask`` (``ForwardBatch.tree_mask``'s layout) makes it a speculative tree; a backend that does not
         declare ``tree_mask`` would silently attend causally, so the tree is refused before any slot is taken.
         """
-        if tree_mask is not None:
+        if tree_mask is not None and not mode.is_decode_or_idle():  # ForwardBatch refuses a tree there anyway
             name = self._name_by_mode[mode]
             if not self._capabilities[name].tree_mask:
                 raise UnsupportedFeatureError(

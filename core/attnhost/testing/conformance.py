@@ -668,20 +668,19 @@ class BackendConformance:
         )
 
     # -- speculative batches ----------------------------------------------------------
+    # Each case runs in every declared float dtype: the first dtype (float32 when declared) in full, the others
+    # their main batch (ragged prefixes, one of them scattered), which keeps the kit quick for 16 backends.
 
     def test_target_verify_chain(self) -> None:
         """TARGET_VERIFY as a chain (EAGLE topk 1): each request's draft tokens, causal, after its prefix."""
-        for dtype in self._declared_float_dtypes():
+        for dtype, full in self._speculative_dtypes():
             label = f"target-verify chain ({_dtype_name(dtype)})"
             runner = self._runner(dtype=dtype)
-            r = [runner.new_request() for _ in range(3)]
-            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
-            fragmented = self._fragmented_prefix(runner, 17)
-            self._forward(runner, ForwardMode.TARGET_VERIFY, [(r[0], 13, 4), (r[1], 1, 4), (r[2], 30, 4)], label)
-            self._forward(
-                runner, ForwardMode.TARGET_VERIFY, [(fragmented, 17, 4), (r[1], 5, 4)], f"{label}, scattered prefix"
-            )
-            self._forward(runner, ForwardMode.TARGET_VERIFY, [(r[2], 34, 4)], f"{label} of a single request")
+            r, scattered = self._speculative_prefill(runner, label)
+            batch = [(r[0], 13, 4), (r[1], 1, 4), (scattered, 17, 4), (r[2], 30, 4)]
+            self._forward(runner, ForwardMode.TARGET_VERIFY, batch, label)
+            if full:
+                self._forward(runner, ForwardMode.TARGET_VERIFY, [(r[2], 34, 4)], f"{label} of a single request")
 
     def test_target_verify_tree(self) -> None:
         """TARGET_VERIFY with ``tree_mask`` (EAGLE topk 2 and 3): a draft token sees the prefix and its ancestors."""
@@ -690,50 +689,44 @@ class BackendConformance:
                 f"backend {self.name!r} does not declare tree_mask (capabilities.tree_mask = False): engines send it "
                 "speculative chains only and refuse a tree run"
             )
-        for dtype in self._declared_float_dtypes():
+        for dtype, full in self._speculative_dtypes():
             label = f"target-verify tree ({_dtype_name(dtype)})"
             runner = self._runner(dtype=dtype)
-            r = [runner.new_request() for _ in range(3)]
-            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
-            fragmented = self._fragmented_prefix(runner, 17)
+            r, scattered = self._speculative_prefill(runner, label)
             self._forward(
                 runner,
                 ForwardMode.TARGET_VERIFY,
-                [(r[0], 13, 6), (r[1], 1, 6), (r[2], 30, 6)],
-                f"{label}, topk 2",
-                tree_mask=_tree_mask("topk2-6-wide", "topk2-6-deep", "topk2-6-late-sibling"),
+                [(r[0], 13, 6), (r[1], 1, 6), (scattered, 17, 8), (r[2], 30, 8)],
+                f"{label}, topk 2 and 3",
+                tree_mask=_tree_mask("topk2-6-wide", "topk2-6-deep", "topk3-8-deep", "topk3-8-wide"),
             )
-            self._forward(
-                runner,
-                ForwardMode.TARGET_VERIFY,
-                [(fragmented, 17, 8), (r[1], 7, 8)],
-                f"{label}, topk 3, scattered prefix",
-                tree_mask=_tree_mask("topk3-8-deep", "topk3-8-wide"),
-            )
-            self._forward(
-                runner,
-                ForwardMode.TARGET_VERIFY,
-                [(r[2], 36, 4)],
-                f"{label} of a single request, topk 2",
-                tree_mask=_tree_mask("topk2-4"),
-            )
+            if full:
+                self._forward(
+                    runner,
+                    ForwardMode.TARGET_VERIFY,
+                    [(r[0], 19, 6), (r[1], 7, 6)],
+                    f"{label}, topk 2",
+                    tree_mask=_tree_mask("topk2-6-late-sibling", "topk2-6-wide"),
+                )
+                self._forward(
+                    runner,
+                    ForwardMode.TARGET_VERIFY,
+                    [(r[2], 38, 4)],
+                    f"{label} of a single request, topk 2",
+                    tree_mask=_tree_mask("topk2-4"),
+                )
 
     def test_draft_extend(self) -> None:
-        """DRAFT_EXTEND and DRAFT_EXTEND_V2: the draft catches up on accepted tokens, causally, ragged."""
-        for dtype in self._declared_float_dtypes():
+        """DRAFT_EXTEND_V2 and DRAFT_EXTEND: the draft catches up on accepted tokens, causally, ragged."""
+        for dtype, full in self._speculative_dtypes():
             label = f"draft-extend ({_dtype_name(dtype)})"
             runner = self._speculative_runner(dtype)
-            r = [runner.new_request() for _ in range(3)]
-            self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
-            fragmented = self._fragmented_prefix(runner, 17)
-            self._forward(runner, ForwardMode.DRAFT_EXTEND, [(r[0], 13, 3), (r[1], 1, 1), (r[2], 30, 4)], label)
-            self._forward(
-                runner,
-                ForwardMode.DRAFT_EXTEND_V2,
-                [(fragmented, 17, 2), (r[0], 16, 4)],
-                f"{label} v2, scattered prefix",
-            )
-            self._forward(runner, ForwardMode.DRAFT_EXTEND_V2, [(r[2], 34, 3)], f"{label} v2 of a single request")
+            r, scattered = self._speculative_prefill(runner, label)
+            batch = [(r[0], 13, 3), (r[1], 1, 1), (scattered, 17, 2), (r[2], 30, 4)]
+            self._forward(runner, ForwardMode.DRAFT_EXTEND_V2, batch, f"{label} v2")
+            if full:
+                self._forward(runner, ForwardMode.DRAFT_EXTEND, [(r[0], 16, 4), (scattered, 19, 2)], label)
+                self._forward(runner, ForwardMode.DRAFT_EXTEND, [(r[2], 34, 3)], f"{label} of a single request")
 
     def test_draft_decode_over_branch_rows(self) -> None:
         """Draft DECODE with topk > 1: one batch row per branch; a request's rows share its prefix's slots.
@@ -741,7 +734,7 @@ class BackendConformance:
         Backends must not assume that different rows' slots are disjoint: every branch row of a request holds
         the same prefix slots in ``req_to_token``, then slots of its own branch.
         """
-        for dtype in self._declared_float_dtypes():
+        for dtype, full in self._speculative_dtypes():
             label = f"draft decode over branch rows ({_dtype_name(dtype)})"
             runner = self._speculative_runner(dtype)
             pool = runner.kv_pool
@@ -753,9 +746,19 @@ class BackendConformance:
                     row = runner.new_request()
                     pool.req_to_token[row, :prefix_len] = pool.req_to_token[request, :prefix_len]
                     branches.append((row, prefix_len))
-            for step in range(3):
+            for step in range(3 if full else 2):  # from step 1 on, a row also reads its own branch's tokens
                 rows = [(row, prefix_len + step, 1) for row, prefix_len in branches]
                 self._forward(runner, ForwardMode.DECODE, rows, f"{label}, step {step}")
+
+    def _speculative_dtypes(self) -> list[tuple[torch.dtype, bool]]:
+        """The declared float dtypes, each with whether its case runs in full (the first one) or its main batch."""
+        return [(dtype, i == 0) for i, dtype in enumerate(self._declared_float_dtypes())]
+
+    def _speculative_prefill(self, runner: ModelRunner, label: str) -> tuple[list[int], int]:
+        """Three requests prefilled with 13, 1 and 30 tokens, and a fourth whose 17-token prefix is scattered."""
+        r = [runner.new_request() for _ in range(3)]
+        self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
+        return r, self._fragmented_prefix(runner, 17)
 
     @pytest.mark.parametrize(("num_heads", "num_kv_heads"), list(HEAD_LAYOUTS.values()), ids=list(HEAD_LAYOUTS))
     def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
