@@ -399,8 +399,10 @@ def chosen(path: list[str], plan: Plan, rows: list[Row], group: str, *, listed: 
             if "/" in name:
                 if name.endswith(("/METADATA", "/PKG-INFO")):
                     keyed.add((idx, name.partition("/")[0]))
-            elif name.lower().endswith(".dist-info") and "__" not in (key := _stem_key(name)):
-                first.setdefault(key, (idx, name))  # what _dist_key says, with fewer calls
+            elif (low := name.lower()).endswith(".dist-info") and "__" not in (
+                key := low[:-10].partition("-")[0].replace(".", "_")
+            ):
+                first.setdefault(key, (idx, name))  # what _dist_key says, without its calls
                 children.add(name)
             elif (dist_key := _dist_key(entry, name)) is not None:
                 first.setdefault(dist_key, (idx, name))

@@ -32,7 +32,8 @@ class _Collect(logging.Handler):
         self.records: list[dict[str, str]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.records.append({"logger": record.name, "level": record.levelname, "message": record.getMessage()})
+        cause = f" [{record.exc_info[1]}]" if record.exc_info else ""  # SGLang logs a plugin's error as exc_info
+        self.records.append({"logger": record.name, "level": record.levelname, "message": record.getMessage() + cause})
 
 
 def registration() -> dict[str, Any]:
@@ -53,8 +54,11 @@ def registration() -> dict[str, Any]:
 def _child(queue: Any) -> None:
     from sglang.srt.plugins import load_plugins
 
+    collect = _Collect()  # what a spawned scheduler or detokenizer would log
+    logging.getLogger().addHandler(collect)
+    logging.getLogger().setLevel(logging.INFO)
     load_plugins()
-    queue.put(registration())
+    queue.put({**registration(), "logs": [r for r in collect.records if r["logger"].startswith("attnhost")]})
 
 
 def resolve(argv: list[str]) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def main() -> None:
             name: name in members for name in ("FA3", "ATTNHOST_FLASHINFER", "FLASHINFER", "ATTNHOST_TORCH_NATIVE")
         },
     }
-    if "ATTNHOST_FLEX_ATTENTION" in members or os.environ.get("ATTNHOST_VLLM_OVERRIDE"):
+    if "ATTNHOST_FLEX_ATTENTION" in members or os.environ.get("ATTNHOST_VLLM_OVERRIDE") == "flex_attention":
         import torch
         from vllm.config import AttentionConfig
         from vllm.platforms.interface import DeviceCapability

@@ -6,6 +6,16 @@ platform are exported (a declared-only name adds nothing); a name the
 engine already implements keeps the engine's implementation, and the
 attnhost one is reachable as ``attnhost_<name>`` — unless the operator opts
 in to an override by naming it in the engine's override variable.
+
+Every engine name maps to exactly one attnhost backend. When two backends
+end up with one engine name (a plugin backend literally named
+``attnhost_torch_native``; vLLM's ``my-attn`` and ``MY.ATTN``, both
+``MY_ATTN``), the fixed order decides: the registry's, the built-in plugin
+first and then the plugins in discovery order; the first keeps the name and
+one warning names both backends and their plugins (``ATTNHOST_STRICT=1``:
+an error). An implemented backend that is not exported (it cannot run here:
+a plugin's ``fa3`` inherits the declaration's ``requires`` of
+``sgl_kernel``) is said once, at INFO, with the reason.
 """
 
 from __future__ import annotations
@@ -15,14 +25,16 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from attnhost.availability import check_availability
+from attnhost.errors import PluginLoadError
 from attnhost.host import get_registry
 from attnhost.platform import current_platform
 from attnhost.registry import BackendEntry
-from attnhost.settings import current
+from attnhost.settings import STRICT_ENV, current
 
 __all__ = ["CLASH_PREFIX", "ExportPlan", "ExportedBackend", "plan_exports"]
 
 logger = logging.getLogger("attnhost.engines")
+_said: set[str] = set()  # skipped backends already logged in this process (plans are made again on every sync)
 
 CLASH_PREFIX = "attnhost_"
 """The prefix an attnhost backend gets in an engine that already implements its name."""
@@ -100,8 +112,9 @@ def plan_exports(
     """
     registry = get_registry()
     platform = current_platform()
-    overrides = override_names(override_env)
-    unknown = sorted(name for name in overrides if registry.canonical(name) is None)
+    named = override_names(override_env)
+    unknown = sorted(name for name in named if registry.canonical(name) is None)
+    overrides = {registry.canonical(name) or name for name in named}  # an alias names its backend
     warnings: list[str] = []
     if unknown:
         warnings.append(
@@ -110,13 +123,21 @@ def plan_exports(
         )
     exported: list[ExportedBackend] = []
     skipped: list[str] = []
-    used: set[str] = set()
+    owners: dict[str, BackendEntry] = {}  # engine name -> the attnhost backend that has it
+    clashes: list[str] = []
     for entry in registry.entries():
-        if not entry.spec.implemented:
-            continue  # a declared-only name adds nothing to an engine
         availability = check_availability(entry, platform)
         if not availability.available:
-            skipped.append(f"{entry.name}: {availability.reason}")
+            if entry.name in overrides:  # an override that does nothing says why
+                warnings.append(
+                    f"{override_env} names {entry.name!r}, which {engine} does not get: {availability.reason}"
+                )
+            if entry.spec.implemented:  # a declared-only name adds nothing to an engine
+                skipped.append(f"{entry.name}: {availability.reason}")
+                if (line := f"attnhost backend {entry.name!r} ({entry.label}) is not registered in {engine}: "
+                        f"{availability.reason}") not in _said:  # fmt: skip
+                    _said.add(line)
+                    logger.info("%s", line)
             continue
         name = to_engine_name(entry.name)
         override = entry.name in overrides
@@ -133,16 +154,25 @@ def plan_exports(
                 f"attnhost backend {entry.name!r} (plugin {entry.plugin!r}) replaces {engine}'s own {name!r}, "
                 f"as {override_env} asks"
             )
+        if (first := owners.get(name)) is not None:
+            clashes.append(
+                f"attnhost backends {first.name!r} ({first.label}) and {entry.name!r} ({entry.label}) both become "
+                f"{engine} backend {name!r}; {first.name!r} keeps it (registered first) and {entry.name!r} is not "
+                f"registered in {engine} — rename one, or leave one out with ATTNHOST_PLUGINS"
+            )
+            continue
         aliases = []
         for alias in entry.spec.aliases:
             spelled = to_engine_name(alias)
-            if spelled in used or (engine_has(spelled) and spelled not in taken):
+            if spelled in owners or spelled == name or (engine_has(spelled) and spelled not in taken):
                 warnings.append(
                     f"alias {alias!r} of attnhost backend {entry.name!r} is not registered in {engine}: "
                     f"{engine} already has {spelled!r}; use {name!r}"
                 )
                 continue
             aliases.append(spelled)
-        used.update((name, *aliases))
+        owners.update(dict.fromkeys((name, *aliases), entry))
         exported.append(ExportedBackend(entry, name, tuple(aliases), override))
-    return ExportPlan(tuple(exported), tuple(warnings), tuple(skipped))
+    if clashes and current().load.strict:
+        raise PluginLoadError(f"{STRICT_ENV}=1 and {'; '.join(clashes)}; or unset {STRICT_ENV}")
+    return ExportPlan(tuple(exported), (*warnings, *clashes), tuple(skipped))

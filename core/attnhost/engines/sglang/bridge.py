@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 import sys
 import threading
 from collections.abc import Callable
@@ -77,8 +78,8 @@ def install() -> None:
             override_env=OVERRIDE_ENV,
             taken=tuple(_ours),
         )
-        for warning in plan.warnings:
-            _log_once(logging.WARNING, warning)
+        for warning in plan.warnings:  # once per engine start: the spawned scheduler, detokenizer... say it at INFO
+            _log_once(logging.INFO if multiprocessing.parent_process() else logging.WARNING, warning)
         for backend in plan.backends:
             factory = _ours.get(backend.engine_name) or adapter_factory(backend)
             for name in backend.engine_names:
