@@ -1,4 +1,5 @@
-"""SGLang's own dense-attention test kit, run against attnhost backends through the bridge.
+"""SGLang's own dense-attention test kit, run against attnhost backends through the bridge (driven by the test
+kit's ``attnhost_sglang_cpu.dense``, the same code ``pytest --attnhost-engine sglang`` runs).
 
 The kit (``sglang.test.kits.attention_unittest``) builds each backend by
 name through SGLang's ``ATTENTION_BACKENDS``, on real ``ReqToTokenPool`` /
@@ -10,58 +11,39 @@ point: nothing here registers anything by hand.
 
 from __future__ import annotations
 
-import unittest
-
 import pytest
 import torch
 from sglang.srt.plugins import load_plugins
 
 load_plugins()
 
+from attnhost_sglang_cpu.dense import DTYPES, build_fixture, dense_cases, run_case  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
-from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (  # noqa: E402
-    build_dense_attention_fixture,
-    make_dense_cases,
-    run_dense_attention_case,
-)
 
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend  # noqa: E402
 
 BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class _KitCase(unittest.TestCase):
-    """The ``testcase`` the kit expects; a skip would hide a missing backend, so it fails instead."""
-
-    def runTest(self) -> None:  # pragma: no cover - never run as a test itself
-        pass
-
-    def skipTest(self, reason: object) -> None:
-        raise AssertionError(f"the kit skipped the case: {reason}")
 
 
 CASES = [
     pytest.param(backend, dtype, case, id=f"{backend}-{str(dtype).removeprefix('torch.')}-{case.name}")
     for backend in BACKENDS
     for dtype in DTYPES
-    for case in make_dense_cases(backend)
+    for case in dense_cases(backend)
 ]
 
 
 @pytest.mark.parametrize(("backend", "dtype", "case"), CASES)
 def test_dense_case(backend: str, dtype: torch.dtype, case: object) -> None:
-    with torch.no_grad():
-        run_dense_attention_case(_KitCase(), case, device="cpu", dtype=dtype)
+    run_case(case, dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_kit_builds_attnhosts_adapter_with_its_own_backend(backend: str) -> None:
     assert ATTENTION_BACKENDS[backend].__module__ == "attnhost.engines.sglang.bridge"
-    case = make_dense_cases(backend)[0]
-    with torch.no_grad():
-        first = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
-        second = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
+    case = dense_cases(backend)[0]
+    first = build_fixture(case)
+    second = build_fixture(case)
     assert isinstance(first.backend, SGLangAdapterBackend)
     assert first.backend.attnhost_backend is not second.backend.attnhost_backend  # one attnhost backend per runner
     # the KV cache the attnhost backend sees is SGLang's own buffers, not copies

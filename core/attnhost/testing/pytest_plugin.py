@@ -19,6 +19,14 @@ from attnhost.testing.cases import HEAD_LAYOUTS
 __all__ = ["OPTION", "SUITE_PATH"]
 
 OPTION = "--attnhost-backend"
+ENGINE_OPTION = "--attnhost-engine"
+ENGINE_SUITES = "attnhost.engine_suites"
+"""Entry-point group of the engine suites (name: the engine; value: the suite module), which engine test kits
+such as the test-only ``attnhost-sglang-cpu`` install; attnhost ships none."""
+ENGINE_KITS = {
+    "sglang": "pip install --no-deps testkits/attnhost-sglang-cpu (attnhost's repository) beside SGLang",
+    "vllm": "no vLLM engine kit is installed here (an `attnhost.engine_suites` entry point named 'vllm')",
+}
 SUITE_PATH = Path(__file__).with_name("suite.py")
 """The module holding the suite class this option runs (``TestBackendConformance``)."""
 SUITE_CLASS = "TestBackendConformance"
@@ -37,6 +45,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run attnhost's backend conformance suite against NAME (repeat, or separate names with commas); "
         "with no test paths given, only the suite runs",
     )
+    group.addoption(
+        ENGINE_OPTION,
+        choices=sorted(ENGINE_KITS),
+        default=None,
+        dest="attnhost_engine",
+        help="instead of the conformance suite, run the engine kit's checks of the --attnhost-backend names "
+        "inside that engine (needs the engine and its test kit installed)",
+    )
+
+
+def _engine_suite(engine: str) -> str:
+    """The file of the suite an installed engine kit declares for *engine*, or a usage error saying how to get it."""
+    import importlib.metadata
+    import importlib.util
+
+    found = [ep for ep in importlib.metadata.entry_points(group=ENGINE_SUITES) if ep.name == engine]
+    spec = importlib.util.find_spec(found[0].value) if found else None
+    if spec is None or spec.origin is None:
+        raise pytest.UsageError(f"{ENGINE_OPTION} {engine}: its engine kit is not installed; {ENGINE_KITS[engine]}")
+    return spec.origin
 
 
 def backend_names(config: pytest.Config) -> list[str]:
@@ -73,7 +101,10 @@ def _name_from_params(params: str) -> str:
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    suite = str(SUITE_PATH)
+    engine: str | None = config.getoption("attnhost_engine", default=None)
+    if engine is not None and not backend_names(config):
+        raise pytest.UsageError(f"{ENGINE_OPTION} {engine} needs the backend to check: add {OPTION} NAME")
+    suite = str(SUITE_PATH) if engine is None else _engine_suite(engine)
     pasted: list[str] = []
     if config.args_source is pytest.Config.ArgsSource.ARGS:
         # Node ids a failing run printed, pasted back: point them at the suite and take the backend from the id.

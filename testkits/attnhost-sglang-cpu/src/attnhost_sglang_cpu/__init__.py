@@ -26,12 +26,17 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["PLATFORM_NAME", "PROBE_ENV", "driver_command", "platform_selected", "sglang_env"]
+__all__ = ["PLATFORM_NAME", "PROBE_ENV", "SPECULATIVE_ENV", "driver_command", "platform_selected", "sglang_env"]
 
 #: The platform's entry-point name, which is also the value ``SGLANG_PLATFORM`` must have.
 PLATFORM_NAME = "attnhost_test_cpu"
 #: The probe writes JSON lines to the file this names; unset, it records nothing.
 PROBE_ENV = "ATTNHOST_TEST_PROBE_FILE"
+
+#: What a speculative engine run needs on a CPU besides the platform: SGLang's speculative workers launch
+#: triton kernels (cache locations, KV indices, bonus tokens), which run here only in triton's interpreter, and
+#: its draft selection is ``torch.compile``d, which inductor would compile with a C++ toolchain for minutes.
+SPECULATIVE_ENV = {"TRITON_INTERPRET": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
 def platform_selected() -> bool:

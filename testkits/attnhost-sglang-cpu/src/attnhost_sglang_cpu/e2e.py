@@ -46,6 +46,7 @@ def run_engines(
     probes_dir: Path,
     *,
     env: Mapping[str, str] | None = None,
+    path_entries: Sequence[str] = (),
     timeout: float = 540,
 ) -> EngineRuns:
     """Run each of *runs* (``{"name", "backend", "engine_args", "env"}``, see run_engine) in one driver process."""
@@ -61,7 +62,9 @@ def run_engines(
             "new_tokens": new_tokens,
             "runs": [{**by_name[name], "name": name, "probe": str(probes[name])} for name in remaining],
         }
-        done = run_in_group(driver_command("run_engine", json.dumps(job)), sglang_env(env), timeout=timeout)
+        done = run_in_group(
+            driver_command("run_engine", json.dumps(job)), sglang_env(env, path_entries=path_entries), timeout=timeout
+        )
         drivers.append(done)
         for line in done.stdout.splitlines():
             if line.startswith("{"):
@@ -101,13 +104,35 @@ def check_probe(records: list[dict[str, Any]], backend: str, expected_class: str
         assert {"forward_extend", "forward_decode"} <= ran, f"{expected_class} ran only {sorted(ran)}"
 
 
-def modes_by_runner(records: list[dict[str, Any]]) -> dict[str, dict[str, set[str]]]:
-    """``{"target"|"draft": {backend class: {forward modes}}}`` from the probe's ``forward`` and ``metadata``
-    records (a container's per-step children count as the draft's, with the modes they ran)."""
-    out: dict[str, dict[str, set[str]]] = {"target": {}, "draft": {}, "unknown": {}}
+def speculative_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a speculative run's probe saw, by role: each runner's backend class, the draft worker's decode container
+    and draft-extend backend, and the forward modes each role's backends ran (the container's per-step children are
+    the backends the draft's ``DECODE`` steps must have run on)."""
+    runners = {r["runner"]: r for r in records if r["event"] == "runner"}
+    role_of = {rid: ("draft" if r["is_draft_worker"] else "target") for rid, r in runners.items()}
+    summary: dict[str, Any] = {
+        "target_class": sorted({r["backend_class"] for r in runners.values() if not r["is_draft_worker"]}),
+        "draft_class": sorted({r["backend_class"] for r in runners.values() if r["is_draft_worker"]}),
+        "modes": {"target": set(), "draft": set()},
+        "classes": {"target": set(), "draft": set()},
+        "container": None,
+        "children": [],
+        "children_modes": set(),
+        "draft_extend_class": None,
+    }
     for r in records:
-        if r["event"] != "forward" or r["mode"] is None:
+        if r["event"] == "draft_backends":
+            decode, extend = r["decode"] or {}, r["draft_extend"] or {}
+            summary["container"] = decode.get("backend_class")
+            summary["children"] = decode.get("children") or []
+            summary["draft_extend_class"] = extend.get("backend_class")
+    child_ids = {child for child, _ in summary["children"]}
+    for r in records:
+        if r["event"] != "forward" or r["mode"] is None or r["runner"] not in role_of:
             continue
-        role = "unknown" if r["is_draft_worker"] is None else ("draft" if r["is_draft_worker"] else "target")
-        out[role].setdefault(r["backend_class"], set()).add(r["mode"])
-    return out
+        role = role_of[r["runner"]]
+        summary["modes"][role].add(r["mode"])
+        summary["classes"][role].add(r["backend_class"])
+        if role == "draft" and r["backend"] in child_ids:
+            summary["children_modes"].add(r["mode"])
+    return summary

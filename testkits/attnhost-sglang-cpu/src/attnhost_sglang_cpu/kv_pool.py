@@ -18,7 +18,7 @@ from typing import Any
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, move_kv_cache_native
 
 
-class TorchMoveMHATokenToKVPool(MHATokenToKVPool):  # type: ignore[misc]
+class TorchMoveMHATokenToKVPool(MHATokenToKVPool):
     """SGLang's MHA pool; KV moves by torch indexing."""
 
     def _init_kv_copy_and_warmup(self) -> None:

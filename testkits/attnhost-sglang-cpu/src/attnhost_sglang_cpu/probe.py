@@ -17,7 +17,11 @@ changes no argument and no result:
   record per (runner, backend object, method, forward mode) the first time;
 * AFTER ``init_forward_metadata`` of those backends and of SGLang's
   multi-step draft container: a ``metadata`` record per (backend object,
-  forward mode), with the container's per-step children.
+  forward mode), with the container's per-step children;
+* AFTER the speculative draft worker's ``init_attention_backend``: a
+  ``draft_backends`` record with the multi-step decode container the worker
+  got from SGLang's ``DraftBackendFactory`` (whoever supplied it), its per-step
+  children, and the draft-extend backend.
 
 More backend classes can be named in ``ATTNHOST_TEST_PROBE_TARGETS``
 (comma-separated ``module:Class``). Records are JSON lines appended to the
@@ -49,6 +53,7 @@ FORWARD_TARGETS = (
 CONTAINER_TARGETS = (("sglang.srt.layers.attention.triton_backend", "TritonMultiStepDraftBackend"),)
 BASE = ("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend")
 RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+DRAFT_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
 
 _lock = threading.Lock()
 _seen: set[tuple[Any, ...]] = set()
@@ -154,9 +159,32 @@ def _after_init_forward_metadata(result: object, backend: Any, *args: Any, **kwa
     )
 
 
+def _described(backend: Any) -> dict[str, Any] | None:
+    if backend is None:
+        return None
+    children = getattr(backend, "attn_backends", None)
+    return {
+        "backend": id(backend),
+        "backend_class": _qualified(backend),
+        "children": None if children is None else [[id(c), _qualified(c)] for c in children],
+    }
+
+
+def _after_draft_init_attention_backend(result: object, worker: Any, *args: Any, **kwargs: Any) -> None:
+    runner = getattr(worker, "draft_runner", None)
+    _write(
+        {
+            "event": "draft_backends",
+            "runner": None if runner is None else id(runner),
+            "decode": _described(getattr(worker, "draft_attn_backend", None)),
+            "draft_extend": _described(getattr(worker, "draft_extend_attn_backend", None)),
+        }
+    )
+
+
 def _targets(defaults: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
-    extra = [tuple(t.strip().split(":", 1)) for t in os.environ.get(TARGETS_ENV, "").split(",") if ":" in t]
-    return [(m, c) for m, c in [*defaults, *extra] if _installed(m)]  # type: ignore[has-type]
+    named = [t.strip().partition(":") for t in os.environ.get(TARGETS_ENV, "").split(",") if ":" in t]
+    return [(m, c) for m, c in [*defaults, *((m, c) for m, _, c in named)] if _installed(m)]
 
 
 def register() -> None:
@@ -168,6 +196,7 @@ def register() -> None:
     HookRegistry.register(f"{RUNNER}.init_attention_backends", _after_init_attention_backends, HookType.AFTER)
     HookRegistry.register(f"{RUNNER}.forward", _around_runner_forward, HookType.AROUND)
     HookRegistry.register(f"{BASE[0]}.{BASE[1]}.forward", _forward_hook("forward"), HookType.AFTER)
+    HookRegistry.register(f"{DRAFT_WORKER}.init_attention_backend", _after_draft_init_attention_backend, HookType.AFTER)
     for module, cls in _targets(FORWARD_TARGETS):
         for method in ("forward_extend", "forward_decode"):
             HookRegistry.register(f"{module}.{cls}.{method}", _forward_hook(method), HookType.AFTER)

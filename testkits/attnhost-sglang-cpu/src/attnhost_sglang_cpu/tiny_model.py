@@ -110,6 +110,41 @@ def build_draft_model(out: Path, target: Path, *, copy_of_target: bool = False, 
     _write_llama(out, seed, layers=DRAFT_LAYERS)
 
 
+def build_eagle_head(out: Path, target: Path, seed: int = DRAFT_SEED) -> None:
+    """A seeded random EAGLE draft head for *target*, in the layout SGLang's ``LlamaForCausalLMEagle`` loads.
+
+    SGLang's EAGLE head (``sglang.srt.models.llama_eagle``) feeds ``fc(cat(embed(token), target hidden))`` through
+    its decoder layers, without a final norm; its checkpoint names drop the ``model.`` prefix (its
+    ``load_weights`` adds it back). So: one Llama decoder layer of the target's width, the embedding and LM head
+    (SGLang's EAGLE worker replaces both with the target's), and ``fc`` (``2 * hidden -> hidden``).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (target / name).exists():
+            shutil.copy2(target / name, out / name)
+    tok = AutoTokenizer.from_pretrained(out)
+    config = LlamaConfig(
+        **{**LLAMA_SHAPE, "num_hidden_layers": 1},
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+        architectures=["LlamaForCausalLMEagle"],
+    )
+    torch.manual_seed(seed)
+    body = LlamaForCausalLM(config).to(torch.float32).state_dict()
+    hidden = int(LLAMA_SHAPE["hidden_size"])
+    weights = {name.removeprefix("model."): t.contiguous() for name, t in body.items() if name != "model.norm.weight"}
+    weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
+    weights["fc.bias"] = torch.zeros(hidden)
+    save_file(weights, str(out / "model.safetensors"))
+    config.save_pretrained(out)
+
+
 def prompt_ids(model_dir: Path) -> list[list[int]]:
     """The prompts as token ids, with the BOS id first."""
     from transformers import AutoTokenizer

@@ -1,0 +1,50 @@
+"""SGLang's own dense-attention test kit, driven for one backend name (used by tests/sglang and the engine suite).
+
+The kit (``sglang.test.kits.attention_unittest``) builds a backend by name
+through SGLang's ``ATTENTION_BACKENDS`` on real ``ReqToTokenPool`` /
+``MHATokenToKVPool`` / ``RadixAttention`` objects with shuffled pages and
+compares it with its own reference. It expects a ``unittest.TestCase``; a
+skip there would hide a missing backend, so :class:`KitCase` turns it into a
+failure. Importing this module imports SGLang (install the shim first).
+"""
+
+from __future__ import annotations
+
+import unittest
+from typing import Any, NoReturn
+
+import torch
+from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
+    build_dense_attention_fixture,
+    make_dense_cases,
+    run_dense_attention_case,
+)
+
+__all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "run_case"]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class KitCase(unittest.TestCase):
+    """The ``testcase`` the kit expects; a skip would hide a missing backend, so it fails instead."""
+
+    def runTest(self) -> None:  # pragma: no cover - never run as a test itself
+        pass
+
+    def skipTest(self, reason: object) -> NoReturn:
+        raise AssertionError(f"the kit skipped the case: {reason}")
+
+
+def dense_cases(backend: str) -> list[Any]:
+    """SGLang's dense cases for *backend* (the same list for every name)."""
+    return list(make_dense_cases(backend))
+
+
+def run_case(case: Any, dtype: torch.dtype) -> None:
+    with torch.no_grad():
+        run_dense_attention_case(KitCase(), case, device="cpu", dtype=dtype)
+
+
+def build_fixture(case: Any, dtype: torch.dtype = torch.float32) -> Any:
+    with torch.no_grad():
+        return build_dense_attention_fixture(KitCase(), case, device="cpu", dtype=dtype)
