@@ -27,7 +27,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
 
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend  # noqa: E402
 
-BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul")
+BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul", "cpu_paged")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
