@@ -119,12 +119,12 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-HEADS = [(8, 2, 128), (4, 4, 64), (8, 1, 72), (6, 3, 24)]  # GQA, MHA, MQA (dim not a vector multiple), odd
+# GQA, MHA, MQA (a head dim no vector width divides), odd; half of them on strided caches with int32 tables
+HEADS = [(8, 2, 128, False), (4, 4, 64, True), (8, 1, 72, True), (6, 3, 24, False)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), HEADS)
-@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided-int32"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "strided"), HEADS)
 def test_mixed_batch(threads: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, strided: bool) -> None:
     """Prefill, extend over a prefix and a one-token request in one EXTEND batch; then a decode batch."""
     gen = torch.Generator().manual_seed(heads * dim + kv_heads)
@@ -135,16 +135,14 @@ def test_mixed_batch(threads: int, dtype: torch.dtype, heads: int, kv_heads: int
     _check(_batch(pool, ForwardMode.DECODE, decode, gen), layer, dtype, gen, flat=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("batch_size", [1, 2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch_size", [1, 8])
 def test_long_decode(threads: int, dtype: torch.dtype, batch_size: int) -> None:
     """Long contexts: the context split of a lone request (threads > 1) and its merge."""
     gen = torch.Generator().manual_seed(batch_size)
     layer = AttentionLayer(0, 8, 2, 128)
     pool = _pool(2, 128, dtype, False, slots=40000)
-    requests = [(i % 8, 2047 + 13 * i, 1) for i in range(batch_size)]
-    if batch_size > 8:
-        requests = [(i, 2047 + 13 * i, 1) for i in range(8)]
+    requests = [(i, 2047 + 13 * i, 1) for i in range(batch_size)]
     _check(_batch(pool, ForwardMode.DECODE, requests, gen), layer, dtype, gen)
 
 
