@@ -1,6 +1,6 @@
 """Run every attnhost benchmark, print one table, write the figures as JSON.
 
-    python benchmarks/run.py [--quick] [--json PATH] [--only cli,discovery,dispatch,attention]
+    python benchmarks/run.py [--quick] [--json PATH] [--only cli,discovery,dispatch,attention,cpukernels]
 
 Each figure is the median of repeated runs; each baseline is measured in the
 same invocation, interleaved with its candidate. The last column says
@@ -9,9 +9,11 @@ is and the figures recorded on the reference machine.
 
 Needs torch (dispatch and attention) and, for the stevedore comparisons,
 ``pip install -r benchmarks/requirements.txt``; missing stevedore is reported
-and its rows skipped. Synthetic environments (100 and 1,000 installed
-distributions, a tenth of them plugins) are generated under a temporary
-directory and deleted afterwards.
+and its rows skipped. The ``cpukernels`` section (bench_cpukernels.py)
+needs SGLang and the compiled example plugin, as the ``sglang`` tox
+environment has them; elsewhere it is skipped with a note. Synthetic
+environments (100 and 1,000 installed distributions, a tenth of them
+plugins) are generated under a temporary directory and deleted afterwards.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from _common import Row, machine, make_synthetic_environment, settle_environment  # noqa: E402 - needs sys.path
 
-SECTIONS = ("cli", "discovery", "dispatch", "attention")
+SECTIONS = ("cli", "discovery", "dispatch", "attention", "cpukernels")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
 
             print("attention overhead, speculative verify (tree vs chain) ...", flush=True)
             rows += bench_attention.run(rounds["attention"], quick, options.threads or None)
+        if "cpukernels" in only:
+            import importlib.util
+
+            missing = [m for m in ("sglang", "_attnhost_cpukernels") if importlib.util.find_spec(m) is None]
+            if missing:
+                note = (
+                    f"cpukernels: skipped, {' and '.join(missing)} not installed (run it in the `sglang` tox "
+                    "environment, which builds examples/attnhost-cpukernels)"
+                )
+                notes.append(note)
+                print(f"note: {note}", flush=True)
+            else:
+                import bench_cpukernels
+
+                print("compiled CPU kernel (cpu_paged) on SGLang's pools ...", flush=True)
+                rows += bench_cpukernels.run(quick)
     finally:
         if options.keep:
             print(f"kept {workdir}")

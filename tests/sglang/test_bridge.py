@@ -87,15 +87,19 @@ def plain(model_dir: Path) -> dict[str, Any]:
 
 def test_sglangs_plugin_loader_registers_every_implemented_available_backend(plain: dict[str, Any]) -> None:
     assert plain["sglang_modules_after_import_attnhost"] == []
-    assert plain["attnhost_factories"] == ["attnhost_torch_native", "batched_matmul", "tiny"]
-    for name in ("attnhost_torch_native", "batched_matmul", "tiny"):
+    assert plain["attnhost_factories"] == ["attnhost_torch_native", "batched_matmul", "cpu_paged", "tiny"]
+    for name in ("attnhost_torch_native", "batched_matmul", "cpu_paged", "tiny"):
         assert plain["choices"].count(name) == 1
     # draft-capable ones (the examples declare themselves so) join SGLang's draft list; torch_native does not
-    assert [n for n in plain["draft_choices"] if n in plain["attnhost_factories"]] == ["batched_matmul", "tiny"]
+    assert [n for n in plain["draft_choices"] if n in plain["attnhost_factories"]] == [
+        "batched_matmul",
+        "cpu_paged",
+        "tiny",
+    ]
     # declared-only attnhost names add nothing: SGLang's own names stay SGLang's, nothing new appears
     assert "acme_declared" not in plain["all_backends"]
     infos = _messages(plain, "INFO")
-    assert sum("registered 3 SGLang attention backend(s)" in m for m in infos) == 1, infos
+    assert sum("registered 4 SGLang attention backend(s)" in m for m in infos) == 1, infos
 
 
 def test_a_name_sglang_implements_keeps_sglangs_and_warns_once(plain: dict[str, Any]) -> None:
@@ -147,7 +151,11 @@ def test_a_late_registration_after_resolution_raises(plain: dict[str, Any]) -> N
 def test_a_spawned_process_sees_the_same_registration(plain: dict[str, Any]) -> None:
     child = plain["spawned"]
     assert child["attnhost_factories"] == plain["attnhost_factories"]
-    assert [n for n in child["draft_choices"] if n in child["attnhost_factories"]] == ["batched_matmul", "tiny"]
+    assert [n for n in child["draft_choices"] if n in child["attnhost_factories"]] == [
+        "batched_matmul",
+        "cpu_paged",
+        "tiny",
+    ]
 
 
 @pytest.fixture(scope="module")

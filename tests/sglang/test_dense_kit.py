@@ -22,7 +22,7 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  #
 
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend  # noqa: E402
 
-BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul")
+BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul", "cpu_paged")
 
 
 CASES = [

@@ -20,6 +20,7 @@ BACKENDS = {
     "attnhost_torch_native": ADAPTER,  # attnhost's built-in, under its documented clash-free name
     "tiny": ADAPTER,  # examples/attnhost-tiny
     "batched_matmul": ADAPTER,  # examples/attnhost-batched
+    "cpu_paged": ADAPTER,  # examples/attnhost-cpukernels (a compiled C++ kernel)
 }
 
 

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 
-@pytest.mark.parametrize("name", ["torch_native", "tiny", "batched_matmul"])
+@pytest.mark.parametrize("name", ["torch_native", "tiny", "batched_matmul", "cpu_paged"])
 def test_vllm_attention_layers(name: str) -> None:
     cls = AttentionBackendEnum[name.upper()].get_class()
     heads, kv_heads, dim = 8, 2, 32

@@ -18,7 +18,7 @@ from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-BACKENDS = ["torch_native", "tiny", "batched_matmul"]
+BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 BATCHES = {
     "prefill": [(0, 7), (0, 1), (0, 12)],
     "decode": [(5, 1), (17, 1), (1, 1), (40, 1)],

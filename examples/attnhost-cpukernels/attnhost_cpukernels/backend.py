@@ -1,0 +1,102 @@
+"""``cpu_paged``: the attnhost contract on a compiled C++ kernel (``csrc/``), which reads the cache in place.
+
+Per batch, ``init_forward_metadata`` packs what the kernel needs about each request (its ``req_to_token`` row,
+prefix and new-token counts, where its queries and its tree-mask block start) into one small int64 tensor.
+Per layer, the Python side is the cache write and one call: the kernel splits the work over requests x KV heads
+(and a lone long request's context) on torch's intra-op threads, and returns a fresh output in ``q``'s layout
+and dtype (``flat_heads``: SGLang's ``[T, heads * head_dim]`` in, the same out). Softmax and sums are float32
+for every dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnhost import AttentionBackend, AttentionLayer, BackendCapabilities
+
+try:
+    import _attnhost_cpukernels as _kernel
+except ImportError as exc:  # present but unloadable: built against another torch, most often
+    raise ImportError(
+        f"attnhost-cpukernels: its compiled kernel _attnhost_cpukernels does not load with torch "
+        f"{torch.__version__} ({exc}); rebuild it against this torch: "
+        "pip install --no-build-isolation --force-reinstall attnhost-cpukernels"
+    ) from exc
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from attnhost import AttentionRunner, ForwardBatch
+
+__all__ = ["CpuPagedAttnBackend", "kernel_info"]
+
+
+def kernel_info() -> dict[str, str]:
+    """The instruction set the kernel picked on this CPU and the torch it was built against."""
+    return {"isa": str(_kernel.isa), "built_with_torch": str(_kernel.torch_version)}
+
+
+class CpuPagedAttnBackend(AttentionBackend):
+    """Paged attention over a token-slot KV cache in one compiled call per layer (example plugin)."""
+
+    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True)
+
+    def __init__(self, runner: AttentionRunner | None = None) -> None:
+        super().__init__(runner)
+        self._batch: ForwardBatch | None = None
+        self._meta = torch.empty((0, 5), dtype=torch.int64)
+        self._mask: Tensor | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """One row per request: table row, prefix, new tokens, first query row, tree-mask offset."""
+        extend = forward_batch.extend_seq_lens_cpu
+        mask_starts = itertools.accumulate((e * e for e in extend), initial=0)
+        self._meta = torch.tensor(
+            list(
+                zip(
+                    forward_batch.req_pool_indices.tolist(),
+                    forward_batch.prefix_lens_cpu,
+                    extend,
+                    forward_batch.extend_start_loc_cpu,
+                    mask_starts,
+                    strict=False,  # mask_starts has one more entry: the total
+                )
+            ),
+            dtype=torch.int64,
+        ).view(-1, 5)
+        mask = forward_batch.tree_mask
+        self._mask = None if mask is None else mask.to(device="cpu", dtype=torch.bool).contiguous()
+        self._batch = forward_batch
+
+    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+        if forward_batch is not self._batch:
+            raise RuntimeError(
+                "cpu_paged: init_forward_metadata() was not called for this ForwardBatch; "
+                "call it once per batch before the layers run"
+            )
+        pool = forward_batch.kv_pool
+        layer_id = layer.layer_id
+        if save_kv_cache:
+            if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
+                k = k.view(-1, layer.num_kv_heads, layer.head_dim)
+                v = v.view(-1, layer.num_kv_heads, layer.head_dim)
+            pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+        out: Tensor = _kernel.attend(
+            q,
+            pool.k_buffer(layer_id),
+            pool.v_buffer(layer_id),
+            pool.req_to_token,
+            self._meta,
+            self._mask,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            layer.scaling,
+        )
+        return out
+
+    forward_decode = forward_extend

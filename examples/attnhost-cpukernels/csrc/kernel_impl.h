@@ -1,0 +1,506 @@
+// The attention kernel itself, compiled once per instruction set: each kernel_*.cpp defines CPUK_LANES (floats
+// per vector) and CPUK_UNIT (the function's name) and includes this file, so one source serves every CPU a wheel
+// may meet while the hot loops are vectorised for the widest one present (bindings.cpp picks at run time).
+//
+// What one unit does: single-pass online softmax over a block of keys at a time, for all query rows (query
+// heads x new tokens) that share a KV head at once, so every K/V row fetched from memory is used by all of them.
+// Keys are read in place through req_to_token; the slots of the next block are prefetched while this one runs.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernel.h"
+
+namespace cpukernels {
+namespace CPUK_NAMESPACE {
+
+constexpr int W = CPUK_LANES;
+constexpr int KB = 32;  // keys per block
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+static inline __attribute__((always_inline)) vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+static inline __attribute__((always_inline)) void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+static inline __attribute__((always_inline)) vf splat(float x) { return vf{} + x; }
+// The sum of a vector's lanes by halving (log2(W) shuffles and adds, not W - 1 lane extractions).
+static inline __attribute__((always_inline)) float hsum(vf x) {
+#if CPUK_LANES == 16
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 h = x;
+#endif
+  typedef float v4 __attribute__((vector_size(16)));
+  v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  q += __builtin_shufflevector(q, q, 2, 3, 0, 1);
+  return q[0] + q[1];
+}
+
+// e^x for x <= 0 (or -inf, giving 0) to float precision: 2^n * e^y with |y| <= ln2/2, Taylor to degree 7.
+static inline __attribute__((always_inline)) vf exp_v(vf x) {
+  const vf lo = splat(-87.0f);
+  vi dead = x < lo;
+  x = x < lo ? lo : x;
+  vf t = x * splat(1.4426950408889634f) + splat(0.5f);
+  vi ti = __builtin_convertvector(t, vi);
+  vf n = __builtin_convertvector(ti, vf);
+  vi above = n > t;
+  n = above ? n - splat(1.0f) : n;
+  vf y = x - n * splat(0.6931471805599453f);
+  vf r = splat(1.0f / 5040) * y + splat(1.0f / 720);
+  r = r * y + splat(1.0f / 120);
+  r = r * y + splat(1.0f / 24);
+  r = r * y + splat(1.0f / 6);
+  r = r * y + splat(0.5f);
+  r = r * y + splat(1.0f);
+  r = r * y + splat(1.0f);
+  vi bits;
+  std::memcpy(&bits, &r, sizeof(bits));
+  bits += __builtin_convertvector(n, vi) << 23;
+  std::memcpy(&r, &bits, sizeof(r));
+  return dead ? splat(0.0f) : r;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline float fp16_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while (!(mant & 0x400));
+    bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+static inline uint16_t float_to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);
+  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow (after rounding) to inf
+  if (x < 0x38800000u) {  // subnormal or zero in half precision
+    if (x < 0x33000000u) return static_cast<uint16_t>(sign);
+    uint32_t e = x >> 23, m = (x & 0x7fffffu) | 0x800000u;
+    int shift = 126 - static_cast<int>(e);  // 14 + (113 - e) - 1
+    uint32_t half = m >> shift, rem = m & ((1u << shift) - 1), mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = ((x >> 13) - (112u << 10));
+  uint32_t rem = x & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;
+  return static_cast<uint16_t>(sign | half);
+}
+
+static inline float to_float(const void* base, int64_t i, DType t) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<const float*>(base)[i];
+    case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+    default: return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+static inline void from_float(void* base, int64_t i, float x, DType t) {
+  switch (t) {
+    case DType::kFloat32: static_cast<float*>(base)[i] = x; break;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(x); break;
+    default: static_cast<uint16_t*>(base)[i] = float_to_fp16(x); break;
+  }
+}
+
+static inline int64_t slot_at(const Problem& p, int64_t row, int64_t pos) {
+  int64_t at = row * p.t_row + pos * p.t_col;
+  return p.table_int32 ? static_cast<const int32_t*>(p.table)[at] : static_cast<const int64_t*>(p.table)[at];
+}
+
+// Scores of rows [r0, r0 + 4) (or fewer) against one key row: the key is loaded once for all of them.
+static inline __attribute__((always_inline)) void dot_rows(const float* q, int64_t ld, int rows, const float* k,
+                                                           int dim, float* s, int64_t s_ld) {
+  int r = 0;
+  const int dv = dim - dim % W;
+  for (; r + 4 <= rows; r += 4) {
+    const float *q0 = q + r * ld, *q1 = q0 + ld, *q2 = q1 + ld, *q3 = q2 + ld;
+    vf a0{}, a1{}, a2{}, a3{};
+    for (int d = 0; d < dv; d += W) {
+      vf kv = load(k + d);
+      a0 += load(q0 + d) * kv;
+      a1 += load(q1 + d) * kv;
+      a2 += load(q2 + d) * kv;
+      a3 += load(q3 + d) * kv;
+    }
+    float t0 = hsum(a0), t1 = hsum(a1), t2 = hsum(a2), t3 = hsum(a3);
+    for (int d = dv; d < dim; ++d) {
+      t0 += q0[d] * k[d];
+      t1 += q1[d] * k[d];
+      t2 += q2[d] * k[d];
+      t3 += q3[d] * k[d];
+    }
+    s[r * s_ld] = t0;
+    s[(r + 1) * s_ld] = t1;
+    s[(r + 2) * s_ld] = t2;
+    s[(r + 3) * s_ld] = t3;
+  }
+  for (; r < rows; ++r) {
+    const float* q0 = q + r * ld;
+    vf a0{};
+    for (int d = 0; d < dv; d += W) a0 += load(q0 + d) * load(k + d);
+    float t0 = hsum(a0);
+    for (int d = dv; d < dim; ++d) t0 += q0[d] * k[d];
+    s[r * s_ld] = t0;
+  }
+}
+
+// The lane sums of eight vectors at once, by a transposing reduction (about 22 shuffles and adds instead of
+// eight separate halvings of about eight each): out[i] = sum of x_i's lanes.
+static inline __attribute__((always_inline)) void hsum8(vf x0, vf x1, vf x2, vf x3, vf x4, vf x5, vf x6, vf x7,
+                                                        float* out) {
+#if CPUK_LANES == 16
+  auto l1 = [](vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  };
+  auto l2 = [](vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  };
+  auto l3 = [](vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  };
+  vf c = l3(l2(l1(x0, x1), l1(x2, x3)), l2(l1(x4, x5), l1(x6, x7)));
+  typedef float v8 __attribute__((vector_size(32)));
+  v8 r = __builtin_shufflevector(c, c, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(c, c, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  auto l1 = [](vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
+  };
+  auto l2 = [](vf x, vf y) {
+    return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
+  };
+  vf a = l2(l1(x0, x1), l1(x2, x3)), b = l2(l1(x4, x5), l1(x6, x7));
+  vf r = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
+  std::memcpy(out, &r, 8 * sizeof(float));
+}
+
+// Scores of four rows against two key rows at once: six loads per eight FMAs instead of five per four.
+static inline __attribute__((always_inline)) void dot_rows2(const float* q, int64_t ld, int rows, const float* k0,
+                                                            const float* k1, int dim, float* s, int64_t s_ld) {
+  const int dv = dim - dim % W;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float *q0 = q + r * ld, *q1 = q0 + ld, *q2 = q1 + ld, *q3 = q2 + ld;
+    vf a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+    for (int d = 0; d < dv; d += W) {
+      vf x = load(k0 + d), y = load(k1 + d);
+      vf u0 = load(q0 + d), u1 = load(q1 + d), u2 = load(q2 + d), u3 = load(q3 + d);
+      a0 += u0 * x;
+      a1 += u1 * x;
+      a2 += u2 * x;
+      a3 += u3 * x;
+      b0 += u0 * y;
+      b1 += u1 * y;
+      b2 += u2 * y;
+      b3 += u3 * y;
+    }
+    float t[8];
+    hsum8(a0, a1, a2, a3, b0, b1, b2, b3, t);
+    for (int d = dv; d < dim; ++d) {
+      t[0] += q0[d] * k0[d];
+      t[1] += q1[d] * k0[d];
+      t[2] += q2[d] * k0[d];
+      t[3] += q3[d] * k0[d];
+      t[4] += q0[d] * k1[d];
+      t[5] += q1[d] * k1[d];
+      t[6] += q2[d] * k1[d];
+      t[7] += q3[d] * k1[d];
+    }
+    for (int i = 0; i < 4; ++i) {
+      s[(r + i) * s_ld] = t[i];
+      s[(r + i) * s_ld + 1] = t[4 + i];
+    }
+  }
+  if (r < rows) {
+    dot_rows(q + r * ld, ld, rows - r, k0, dim, s + r * s_ld, s_ld);
+    dot_rows(q + r * ld, ld, rows - r, k1, dim, s + r * s_ld + 1, s_ld);
+  }
+}
+
+// acc[r] += sum_j p[r][j] * v[j] for rows [0, rows): each V vector loaded once for four rows.
+static inline __attribute__((always_inline)) void accumulate(float* acc, int64_t ld, int rows, const float* p,
+                                                             const float* const* v, int n, int dim) {
+  const int dv = dim - dim % W;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float *p0 = p + r * KB, *p1 = p0 + KB, *p2 = p1 + KB, *p3 = p2 + KB;
+    float *o0 = acc + r * ld, *o1 = o0 + ld, *o2 = o1 + ld, *o3 = o2 + ld;
+    int d = 0;
+    for (; d + 2 * W <= dv; d += 2 * W) {  // two vectors of each V row per pass: six loads per eight FMAs
+      vf a0 = load(o0 + d), a1 = load(o1 + d), a2 = load(o2 + d), a3 = load(o3 + d);
+      vf b0 = load(o0 + d + W), b1 = load(o1 + d + W), b2 = load(o2 + d + W), b3 = load(o3 + d + W);
+      for (int j = 0; j < n; ++j) {
+        vf x = load(v[j] + d), y = load(v[j] + d + W);
+        a0 += p0[j] * x;
+        a1 += p1[j] * x;
+        a2 += p2[j] * x;
+        a3 += p3[j] * x;
+        b0 += p0[j] * y;
+        b1 += p1[j] * y;
+        b2 += p2[j] * y;
+        b3 += p3[j] * y;
+      }
+      store(o0 + d, a0);
+      store(o1 + d, a1);
+      store(o2 + d, a2);
+      store(o3 + d, a3);
+      store(o0 + d + W, b0);
+      store(o1 + d + W, b1);
+      store(o2 + d + W, b2);
+      store(o3 + d + W, b3);
+    }
+    for (; d < dv; d += W) {
+      vf a0 = load(o0 + d), a1 = load(o1 + d), a2 = load(o2 + d), a3 = load(o3 + d);
+      for (int j = 0; j < n; ++j) {
+        vf x = load(v[j] + d);
+        a0 += p0[j] * x;
+        a1 += p1[j] * x;
+        a2 += p2[j] * x;
+        a3 += p3[j] * x;
+      }
+      store(o0 + d, a0);
+      store(o1 + d, a1);
+      store(o2 + d, a2);
+      store(o3 + d, a3);
+    }
+    for (int d = dv; d < dim; ++d)
+      for (int j = 0; j < n; ++j) {
+        o0[d] += p0[j] * v[j][d];
+        o1[d] += p1[j] * v[j][d];
+        o2[d] += p2[j] * v[j][d];
+        o3[d] += p3[j] * v[j][d];
+      }
+  }
+  for (; r < rows; ++r) {
+    const float* p0 = p + r * KB;
+    float* o0 = acc + r * ld;
+    for (int d = 0; d < dv; d += W) {
+      vf a0 = load(o0 + d);
+      for (int j = 0; j < n; ++j) a0 += p0[j] * load(v[j] + d);
+      store(o0 + d, a0);
+    }
+    for (int d = dv; d < dim; ++d)
+      for (int j = 0; j < n; ++j) o0[d] += p0[j] * v[j][d];
+  }
+}
+
+static inline __attribute__((always_inline)) void prefetch_row(const char* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+struct Scratch {
+  std::vector<float> q, acc, m, l, s, kf, vf;
+};
+
+void CPUK_UNIT(const Problem& p, const Unit& u) {
+  thread_local Scratch sc;
+  const int group = p.heads / p.kv_heads, dim = p.dim;
+  const int64_t ld = (dim + W - 1) / W * W;  // padded row: q rows are zero-padded past dim
+  const int nh = u.h1 - u.h0;
+  const int64_t nq = u.q1 - u.q0;
+  const int rows_per_head = static_cast<int>(nq) * group, rows = rows_per_head * nh;
+  const int64_t* meta = p.meta + u.request * kMetaFields;
+  const int64_t table_row = meta[0], prefix = meta[1], extend = meta[2], q_first = meta[3], mask_off = meta[4];
+  const bool tree = p.tree_mask != nullptr;
+  const bool direct = p.kv_dtype == DType::kFloat32;
+  const int es = p.kv_dtype == DType::kFloat32 ? 4 : 2;
+
+  sc.q.assign(static_cast<size_t>(rows) * ld, 0.f);
+  sc.acc.assign(static_cast<size_t>(rows) * ld, 0.f);
+  sc.m.assign(rows, -std::numeric_limits<float>::infinity());
+  sc.l.assign(rows, 0.f);
+  sc.s.resize(static_cast<size_t>(rows) * KB);
+  if (!direct) {
+    sc.kf.resize(static_cast<size_t>(KB) * ld);
+    sc.vf.resize(static_cast<size_t>(KB) * ld);
+  }
+  // Row r = (head hl, token t, query head g of the group): queries converted and pre-scaled once.
+  for (int hl = 0; hl < nh; ++hl)
+    for (int64_t t = 0; t < nq; ++t)
+      for (int g = 0; g < group; ++g) {
+        const int r = (hl * static_cast<int>(nq) + static_cast<int>(t)) * group + g;
+        const int64_t base = (q_first + u.q0 + t) * p.q_tok + ((u.h0 + hl) * group + g) * p.q_head;
+        float* dst = sc.q.data() + r * ld;
+        for (int d = 0; d < dim; ++d) dst[d] = to_float(p.q, base + d, p.q_dtype) * p.scale;
+      }
+
+  const char* kbase = static_cast<const char*>(p.k);
+  const char* vbase = static_cast<const char*>(p.v);
+  // the unit's heads of one slot, as one range (a few lines too many where heads are strided apart)
+  const int64_t row_bytes_k = ((int64_t)(nh - 1) * p.k_head + dim) * es;
+  const int64_t row_bytes_v = ((int64_t)(nh - 1) * p.v_head + dim) * es;
+  int64_t slots[KB], next[KB];
+  const float* kp[KB];
+  const float* vp[KB];
+  auto fetch_slots = [&](int64_t from, int64_t* out) {
+    const int64_t n = std::min<int64_t>(KB, u.k1 - from);
+    for (int64_t j = 0; j < n; ++j) out[j] = slot_at(p, table_row, from + j);
+    return n;
+  };
+  int64_t n_next = u.k0 < u.k1 ? fetch_slots(u.k0, next) : 0;
+  for (int64_t kb = u.k0; kb < u.k1; kb += KB) {
+    const int64_t n = n_next;
+    std::memcpy(slots, next, sizeof(int64_t) * n);
+    n_next = kb + KB < u.k1 ? fetch_slots(kb + KB, next) : 0;
+    // Is every key of this block visible to every row? Then no mask is looked at.
+    const bool all_visible = tree ? kb + n <= prefix : kb + n - 1 <= prefix + u.q0;
+    for (int hl = 0; hl < nh; ++hl) {
+      const int h = u.h0 + hl;
+      if (direct) {
+        for (int64_t j = 0; j < n; ++j) {
+          kp[j] = static_cast<const float*>(p.k) + slots[j] * p.k_slot + h * p.k_head;
+          vp[j] = static_cast<const float*>(p.v) + slots[j] * p.v_slot + h * p.v_head;
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          float* kd = sc.kf.data() + j * ld;
+          float* vd = sc.vf.data() + j * ld;
+          const int64_t ko = slots[j] * p.k_slot + h * p.k_head, vo = slots[j] * p.v_slot + h * p.v_head;
+          for (int d = 0; d < dim; ++d) {
+            kd[d] = to_float(p.k, ko + d, p.kv_dtype);
+            vd[d] = to_float(p.v, vo + d, p.kv_dtype);
+          }
+          kp[j] = kd;
+          vp[j] = vd;
+        }
+      }
+      const int r0 = hl * rows_per_head;
+      float* s = sc.s.data() + static_cast<int64_t>(r0) * KB;
+      const float* q = sc.q.data() + r0 * ld;
+      for (int64_t j = 0; j < n; ++j) {
+        if (hl == 0 && j < n_next) {  // the next block's j-th rows, spread over this block's keys
+          prefetch_row(kbase + (next[j] * p.k_slot + u.h0 * p.k_head) * es, row_bytes_k);
+          prefetch_row(vbase + (next[j] * p.v_slot + u.h0 * p.v_head) * es, row_bytes_v);
+        }
+        if (j + 1 < n && rows_per_head >= 4) {
+          if (hl == 0 && j + 1 < n_next) {
+            prefetch_row(kbase + (next[j + 1] * p.k_slot + u.h0 * p.k_head) * es, row_bytes_k);
+            prefetch_row(vbase + (next[j + 1] * p.v_slot + u.h0 * p.v_head) * es, row_bytes_v);
+          }
+          dot_rows2(q, ld, rows_per_head, kp[j], kp[j + 1], dim, s + j, KB);
+          ++j;
+        } else {
+          dot_rows(q, ld, rows_per_head, kp[j], dim, s + j, KB);
+        }
+      }
+      for (int r = 0; r < rows_per_head; ++r) {
+        float* sr = s + r * KB;
+        for (int64_t j = n; j < KB; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+        if (!all_visible) {
+          const int64_t e = u.q0 + r / group;  // the row's new token, within the request
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t kpos = kb + j;
+            const bool ok = tree ? (kpos < prefix || p.tree_mask[mask_off + e * extend + (kpos - prefix)])
+                                 : kpos <= prefix + e;
+            if (!ok) sr[j] = -std::numeric_limits<float>::infinity();
+          }
+        }
+        vf vmax = load(sr);  // lanes past n hold -inf
+        for (int j = W; j < KB; j += W) {
+          vf x = load(sr + j);
+          vmax = x > vmax ? x : vmax;
+        }
+        float mx = vmax[0];
+        for (int i = 1; i < W; ++i) mx = std::max(mx, vmax[i]);
+        const int ri = r0 + r;
+        if (mx == -std::numeric_limits<float>::infinity()) {
+          for (int j = 0; j < KB; ++j) sr[j] = 0.f;
+          continue;
+        }
+        const float m_new = std::max(sc.m[ri], mx);
+        const float alpha = std::exp(sc.m[ri] - m_new);
+        sc.m[ri] = m_new;
+        vf sum{};
+        const vf mv = splat(m_new);
+        for (int j = 0; j < KB; j += W) {
+          vf e = exp_v(load(sr + j) - mv);
+          store(sr + j, e);
+          sum += e;
+        }
+        sc.l[ri] = sc.l[ri] * alpha + hsum(sum);
+        if (alpha != 1.f) {
+          float* a = sc.acc.data() + ri * ld;
+          const vf av = splat(alpha);
+          for (int64_t d = 0; d < ld; d += W) store(a + d, load(a + d) * av);
+        }
+      }
+      accumulate(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim);
+    }
+  }
+
+  if (u.partial >= 0) {  // a piece of a split context: keep the unnormalised state for the merge
+    float* out = p.partials + u.partial * static_cast<int64_t>(rows) * (dim + 2);
+    for (int r = 0; r < rows; ++r) {
+      float* o = out + static_cast<int64_t>(r) * (dim + 2);
+      std::memcpy(o, sc.acc.data() + r * ld, sizeof(float) * dim);
+      o[dim] = sc.m[r];
+      o[dim + 1] = sc.l[r];
+    }
+    return;
+  }
+  for (int hl = 0; hl < nh; ++hl)
+    for (int64_t t = 0; t < nq; ++t)
+      for (int g = 0; g < group; ++g) {
+        const int r = (hl * static_cast<int>(nq) + static_cast<int>(t)) * group + g;
+        const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
+        const int64_t base = ((q_first + u.q0 + t) * p.heads + (u.h0 + hl) * group + g) * dim;
+        const float* a = sc.acc.data() + r * ld;
+        if (p.q_dtype == DType::kFloat32) {
+          float* o = static_cast<float*>(p.out) + base;
+          for (int d = 0; d < dim; ++d) o[d] = a[d] * inv;
+        } else {
+          for (int d = 0; d < dim; ++d) from_float(p.out, base + d, a[d] * inv, p.q_dtype);
+        }
+      }
+}
+
+}  // namespace CPUK_NAMESPACE
+}  // namespace cpukernels

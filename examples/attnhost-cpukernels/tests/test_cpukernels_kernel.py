@@ -1,0 +1,216 @@
+"""What the conformance kit does not reach: tree masks, strided caches, int32 tables, shared slots, threads.
+
+Every case is checked against a float64 reference written out here (explicit mask, softmax by definition) on a
+cache whose slots are shuffled, as a long-running server's are.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from attnhost_cpukernels.backend import CpuPagedAttnBackend, kernel_info
+
+from attnhost import AttentionLayer, ForwardBatch, ForwardMode, KVPool
+
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+Request = tuple[int, int, int]  # (table row, prefix_len, extend_len)
+
+
+class StridedCache:
+    """A KVCache whose K/V buffers are strided views into wider tensors and whose table is int32."""
+
+    def __init__(self, slots: int, kv_heads: int, dim: int, rows: int, width: int, dtype: torch.dtype) -> None:
+        # every other head of a twice-as-wide buffer, each row padded: no stride is the dense one
+        self._k = torch.zeros(slots, 2 * kv_heads, dim + 8, dtype=dtype)[:, ::2, :dim]
+        self._v = torch.zeros(slots, kv_heads, 2 * dim, dtype=dtype)[:, :, dim:]
+        self.req_to_token = torch.zeros(rows, width, dtype=torch.int32)
+        self.device, self.dtype = torch.device("cpu"), dtype
+
+    def k_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._k
+
+    def v_buffer(self, layer_id: int) -> torch.Tensor:
+        return self._v
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._k.index_copy_(0, loc, k.to(self.dtype))
+        self._v.index_copy_(0, loc, v.to(self.dtype))
+
+
+def _pool(kv_heads: int, dim: int, dtype: torch.dtype, strided: bool, slots: int = 8192) -> KVPool | StridedCache:
+    if strided:
+        return StridedCache(slots, kv_heads, dim, 8, 4096, dtype)
+    return KVPool(1, slots, kv_heads, dim, max_requests=8, max_context_len=4096, dtype=dtype)
+
+
+def _batch(
+    pool: KVPool | StridedCache,
+    mode: ForwardMode,
+    requests: Sequence[Request],
+    gen: torch.Generator,
+    tree_mask: torch.Tensor | None = None,
+    shared_prefix: int = 0,
+) -> ForwardBatch:
+    """Shuffled slots for every request's tokens; the first ``shared_prefix`` positions of all rows share slots."""
+    slots = pool.k_buffer(0).shape[0]
+    order = torch.randperm(slots, generator=gen)
+    shared, taken = order[:shared_prefix], shared_prefix
+    new: list[torch.Tensor] = []
+    for row, prefix, extend in requests:
+        own = order[taken : taken + prefix + extend - shared_prefix]
+        taken += len(own)
+        pool.req_to_token[row, : prefix + extend] = torch.cat([shared, own]).to(pool.req_to_token.dtype)
+        new.append(pool.req_to_token[row, prefix : prefix + extend].to(torch.int64))
+        k = torch.randn(prefix, pool.k_buffer(0).shape[1], pool.k_buffer(0).shape[2], generator=gen)
+        fill = pool.req_to_token[row, :prefix].to(torch.int64)
+        pool.k_buffer(0)[fill] = k.to(pool.dtype)
+        pool.v_buffer(0)[fill] = torch.randn(k.shape, generator=gen).to(pool.dtype)
+    return ForwardBatch.from_lists(pool, mode, requests, torch.cat(new), tree_mask)  # type: ignore[arg-type]
+
+
+def _reference(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> torch.Tensor:
+    pool = batch.kv_pool
+    q = q.reshape(-1, layer.num_heads, layer.head_dim).double()
+    group = layer.num_heads // layer.num_kv_heads
+    outs, cell = [], 0
+    for i in range(batch.batch_size):
+        row, prefix, extend = int(batch.req_pool_indices[i]), batch.prefix_lens_cpu[i], batch.extend_seq_lens_cpu[i]
+        slots = pool.req_to_token[row, : prefix + extend].long()
+        k = pool.k_buffer(0)[slots].double().repeat_interleave(group, dim=1)
+        v = pool.v_buffer(0)[slots].double().repeat_interleave(group, dim=1)
+        start = batch.extend_start_loc_cpu[i]
+        scores = torch.einsum("qhd,khd->hqk", q[start : start + extend], k) * layer.scaling
+        allowed = torch.ones(extend, prefix + extend, dtype=torch.bool)
+        if batch.tree_mask is None:
+            allowed[:, prefix:] = torch.ones(extend, extend, dtype=torch.bool).tril()
+        else:
+            allowed[:, prefix:] = batch.tree_mask[cell : cell + extend * extend].view(extend, extend)
+            cell += extend * extend
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, v))
+    return torch.cat(outs)
+
+
+def _check(
+    batch: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype, gen: torch.Generator, flat: bool = False
+) -> None:
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    n = batch.num_new_tokens
+    q = torch.randn(n, layer.num_heads, layer.head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype)
+    out = backend.forward(q.flatten(1) if flat else q, k, v, layer, batch)
+    assert out.dtype == dtype and out.shape == ((n, layer.num_heads * layer.head_dim) if flat else q.shape)
+    expected = _reference(q, layer, batch)
+    error = (out.view_as(q).double() - expected).abs().max().item()
+    assert error <= ATOL[dtype], f"max abs error {error:.2e} ({kernel_info()})"
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# GQA, MHA, MQA (a head dim no vector width divides), odd; half of them on strided caches with int32 tables
+HEADS = [(8, 2, 128, False), (4, 4, 64, True), (8, 1, 72, True), (6, 3, 24, False)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "strided"), HEADS)
+def test_mixed_batch(threads: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int, strided: bool) -> None:
+    """Prefill, extend over a prefix and a one-token request in one EXTEND batch; then a decode batch."""
+    gen = torch.Generator().manual_seed(heads * dim + kv_heads)
+    layer = AttentionLayer(0, heads, kv_heads, dim)
+    pool = _pool(kv_heads, dim, dtype, strided)
+    _check(_batch(pool, ForwardMode.EXTEND, [(0, 0, 37), (3, 70, 1), (5, 100, 45)], gen), layer, dtype, gen)
+    decode = [(0, 77, 1), (2, 1, 1), (3, 600, 1), (6, 33, 1)]
+    _check(_batch(pool, ForwardMode.DECODE, decode, gen), layer, dtype, gen, flat=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_long_decode(threads: int, dtype: torch.dtype, batch_size: int) -> None:
+    """Long contexts: the context split of a lone request (threads > 1) and its merge."""
+    gen = torch.Generator().manual_seed(batch_size)
+    layer = AttentionLayer(0, 8, 2, 128)
+    pool = _pool(2, 128, dtype, False, slots=40000)
+    requests = [(i, 2047 + 13 * i, 1) for i in range(batch_size)]
+    _check(_batch(pool, ForwardMode.DECODE, requests, gen), layer, dtype, gen)
+
+
+def _tree(extend: int, gen: torch.Generator) -> torch.Tensor:
+    """A random tree over the new tokens (each one's parent precedes it): a token sees itself and its ancestors."""
+    parent = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, extend)]
+    mask = torch.zeros(extend, extend, dtype=torch.bool)
+    for j in range(extend):
+        a = j
+        while a >= 0:
+            mask[j, a] = True
+            a = parent[a]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tree_mask(threads: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    layer = AttentionLayer(0, 8, 2, 64)
+    requests = [(0, 50, 9), (1, 0, 6), (4, 300, 40)]
+    masks = [_tree(e, gen) for _, _, e in requests]
+    # one block that is not a tree at all (a token sees a later one, not itself): any mask is honoured as given
+    masks[2][5] = torch.arange(40) % 3 == 1
+    pool = _pool(2, 64, dtype, True)
+    tree = torch.cat([m.flatten() for m in masks])
+    _check(_batch(pool, ForwardMode.TARGET_VERIFY, requests, gen, tree), layer, dtype, gen, flat=True)
+
+
+def test_decode_requests_sharing_prefix_slots(threads: int) -> None:
+    """Draft decode with several branches: requests whose rows hold the same prefix slots."""
+    gen = torch.Generator().manual_seed(3)
+    layer = AttentionLayer(0, 8, 2, 128)
+    pool = _pool(2, 128, torch.float32, False)
+    requests = [(row, 900, 1) for row in range(4)]
+    _check(_batch(pool, ForwardMode.DECODE, requests, gen, shared_prefix=900), layer, torch.float32, gen)
+
+
+def test_threads_agree_and_torch_threads_are_honoured() -> None:
+    """The split over threads changes the order of float sums only: outputs agree to rounding."""
+    gen = torch.Generator().manual_seed(11)
+    layer = AttentionLayer(0, 8, 2, 128)
+    pool = _pool(2, 128, torch.float32, False, slots=20000)
+    batch = _batch(pool, ForwardMode.DECODE, [(0, 4000, 1)], gen)
+    q = torch.randn(1, 8, 128, generator=gen)
+    outs = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            backend = CpuPagedAttnBackend()
+            backend.init_forward_metadata(batch)
+            outs.append(backend.forward(q, q[:, :2], q[:, :2], layer, batch, save_kv_cache=False))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+
+
+def test_kernel_reports_its_build() -> None:
+    info = kernel_info()
+    assert info["built_with_torch"] == torch.__version__.split("+")[0]
+    assert info["isa"] in ("avx512", "avx2", "baseline")
+
+
+def test_requests_in_any_table_order() -> None:
+    """Table rows need not follow batch order, nor be distinct from other batches' rows."""
+    gen = torch.Generator().manual_seed(5)
+    layer = AttentionLayer(0, 4, 2, 32)
+    pool = _pool(2, 32, torch.float32, False)
+    for rows in itertools.permutations((1, 4, 6)):
+        requests = [(row, 10 * row, 2) for row in rows]
+        _check(_batch(pool, ForwardMode.EXTEND, requests, gen), layer, torch.float32, gen)
