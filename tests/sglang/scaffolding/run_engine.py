@@ -1,9 +1,10 @@
 """Run real ``sglang.Engine`` generations, one engine per backend, and print their greedy ids (test scaffolding).
 
 ``python run_engine.py JOB_JSON`` where the job is ``{"model": DIR, "prompts":
-[[ids]], "new_tokens": N, "runs": [{"backend": NAME, "probe": FILE}, ...]}``
-prints one JSON line per run: ``{"backend", "output_ids", "children_left",
-"driver_pid"}`` or ``{"backend", "error", "driver_pid"}``. Engines run one after another in this process,
+[[ids]], "new_tokens": N, "runs": [{"backend": NAME, "probe": FILE, "id": ID, "engine_args": {...}}, ...]}``
+(``id`` and ``engine_args``, extra ``sglang.Engine`` keywords such as ``tp_size``, are optional)
+prints one JSON line per run: ``{"backend", "id", "output_ids", "children_left",
+"driver_pid"}`` or ``{"backend", "id", "error", "driver_pid"}``. Engines run one after another in this process,
 as a user's script would run them; each spawns its own scheduler, which
 inherits ``ATTNHOST_TEST_PROBE_FILE`` (set per run) for the probe.
 
@@ -29,7 +30,9 @@ shim.install()
 PROBE_ENV = "ATTNHOST_TEST_PROBE_FILE"
 
 
-def run_one(model: str, prompts: list[list[int]], new_tokens: int, backend: str) -> dict[str, Any]:
+def run_one(
+    model: str, prompts: list[list[int]], new_tokens: int, backend: str, engine_args: dict[str, Any]
+) -> dict[str, Any]:
     import psutil
     import sglang as sgl
 
@@ -41,6 +44,7 @@ def run_one(model: str, prompts: list[list[int]], new_tokens: int, backend: str)
         dtype="float32",
         random_seed=0,
         log_level="error",
+        **engine_args,
     )
     try:
         outs = engine.generate(
@@ -62,10 +66,12 @@ def main(argv: list[str]) -> int:
     for run in job["runs"]:
         os.environ[PROBE_ENV] = run["probe"]
         try:
-            result = run_one(job["model"], job["prompts"], job["new_tokens"], run["backend"])
+            args = run.get("engine_args", {})
+            result = run_one(job["model"], job["prompts"], job["new_tokens"], run["backend"], args)
         except Exception:
             result = {"backend": run["backend"], "error": traceback.format_exc(limit=8)}
         result["driver_pid"] = os.getpid()
+        result["id"] = run.get("id", run["backend"])
         print(json.dumps(result), flush=True)
     return 0
 
