@@ -66,7 +66,7 @@ def tp_runs(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory: pytest.T
     runs = [
         {
             "backend": backend,
-            "id": run_id(backend, tp),
+            "name": run_id(backend, tp),
             "probe": str(probes_dir / f"{run_id(backend, tp)}.jsonl"),
             "engine_args": {"tp_size": tp},
         }
@@ -82,8 +82,8 @@ def tp_runs(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory: pytest.T
     for line in done.stdout.splitlines():
         if line.startswith("{"):
             record = json.loads(line)
-            results[record["id"]] = record
-    return TpRuns(done, results, {run["id"]: Path(run["probe"]) for run in runs})
+            results[record["name"]] = record
+    return TpRuns(done, results, {run["name"]: Path(run["probe"]) for run in runs})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,10 +1,10 @@
 """Run real ``sglang.Engine`` generations, one engine per backend, and print their greedy ids (test scaffolding).
 
 ``python run_engine.py JOB_JSON`` where the job is ``{"model": DIR, "prompts":
-[[ids]], "new_tokens": N, "runs": [{"backend": NAME, "probe": FILE, "id": ID, "engine_args": {...}}, ...]}``
-(``id`` and ``engine_args``, extra ``sglang.Engine`` keywords such as ``tp_size``, are optional)
-prints one JSON line per run: ``{"backend", "id", "output_ids", "children_left",
-"driver_pid"}`` or ``{"backend", "id", "error", "driver_pid"}``. Engines run one after another in this process,
+[[ids]], "new_tokens": N, "runs": [{"backend": NAME, "probe": FILE, "name": ID, "engine_args": {...}}, ...]}``
+(``name`` and ``engine_args``, extra ``sglang.Engine`` keywords such as ``tp_size``, are optional)
+prints one JSON line per run: ``{"backend", "name", "output_ids", "children_left",
+"driver_pid"}`` or ``{"backend", "name", "error", "driver_pid"}``. Engines run one after another in this process,
 as a user's script would run them; each spawns its own scheduler, which
 inherits ``ATTNHOST_TEST_PROBE_FILE`` (set per run) for the probe.
 
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         except Exception:
             result = {"backend": run["backend"], "error": traceback.format_exc(limit=8)}
         result["driver_pid"] = os.getpid()
-        result["id"] = run.get("id", run["backend"])
+        result["name"] = run.get("name", run["backend"])
         print(json.dumps(result), flush=True)
     return 0
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnhost.distributed import RunnerRow, check_ranks_agree
-from attnhost.errors import describe_exception
+from attnhost.errors import RankCheckError, describe_exception
 
 __all__ = ["TARGET", "install_agreement_check", "runner_rows"]
 
@@ -54,7 +54,11 @@ def _check_after_backends(original: Callable[..., Any], scheduler: Any, *args: A
             rows = runner_rows(scheduler)
         except Exception as exc:  # never skip the collective for a reading fault
             rows, failure = (), failure or exc
-        check_ranks_agree(group=group, runners=rows, error=None if failure is None else describe_exception(failure))
+        error = None if failure is None else describe_exception(failure)
+        try:
+            check_ranks_agree(group=group, runners=rows, error=error)
+        except RankCheckError as exc:
+            raise exc from failure  # this rank's own failure, if any, stays in the traceback
     if failure is not None:
         raise failure
     return result
