@@ -176,6 +176,24 @@ def test_fingerprint_differences_are_named() -> None:
     assert "plugin 'builtin' is attnhost 0.2.0 on rank 3 but attnhost 0.1.0 on rank 0" in message
 
 
+def test_engine_runner_differences_are_named_per_runner_and_role() -> None:
+    """An engine bridge compares what its model runners resolved (issue 25), not attnhost's own resolution."""
+    from attnhost.distributed import RankFingerprint, compare_fingerprints
+
+    builtin = ("builtin", "attnhost", "0.1.0", "loaded")
+    runners = (("target runner 0", "acme", "acme", None), ("draft runner 1", "acme", "acme", "acme"))
+    base = RankFingerprint(0, "cpu", (builtin,), (), None, runners=runners)
+    assert compare_fingerprints([base, RankFingerprint(1, "cpu", (builtin,), (), None, runners=runners)]) is None
+    other = (("target runner 0", "acme", "triton", None), ("draft runner 1", "acme", "acme", "triton"))
+    message = compare_fingerprints([base, RankFingerprint(1, "cpu", (builtin,), (), None, runners=other)])
+    assert message is not None
+    assert "target runner 0 resolved decode 'triton' on rank 1, 'acme' on rank 0" in message
+    assert "draft runner 1 resolved draft 'triton' on rank 1, 'acme' on rank 0" in message
+    assert "prefill" not in message
+    fewer = compare_fingerprints([base, RankFingerprint(1, "cpu", (builtin,), (), None, runners=runners[:1])])
+    assert fewer is not None and "1 model runner(s) vs 2" in fewer
+
+
 def test_check_needs_an_initialised_group() -> None:
     from attnhost.distributed import RankCheckError, check_ranks_agree
 

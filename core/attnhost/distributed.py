@@ -24,6 +24,7 @@ __all__ = ["RankCheckError", "RankFingerprint", "RankMismatchError", "check_rank
 
 PluginRow = tuple[str, str | None, str | None, str]  # (name, distribution, version, status)
 BackendRow = tuple[str, str, bool]  # (name, owning plugin, draft-capable)
+RunnerRow = tuple[str, str | None, str | None, str | None]  # an engine's runner: (label, prefill, decode, draft)
 # A mapping of ServerArgs fields is built on each rank, so a rank missing a backend they name reports it.
 ArgsLike = ServerArgs | Mapping[str, Any] | None
 
@@ -38,10 +39,22 @@ class RankFingerprint:
     backends: tuple[BackendRow, ...]
     resolved: tuple[str, str, str] | None  # (prefill, decode, draft) for the args given to the check
     error: str | None = None  # why this rank could not load or resolve
+    runners: tuple[RunnerRow, ...] = ()  # what an engine's model runners resolved (then ``resolved`` is None)
 
 
-def _local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, rank: int = 0) -> RankFingerprint:
-    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it)."""
+def _local_fingerprint(
+    args: ArgsLike = None,
+    *,
+    platform: str | None = None,
+    rank: int = 0,
+    runners: Sequence[RunnerRow] | None = None,
+    error: str | None = None,
+) -> RankFingerprint:
+    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it).
+
+    With ``runners`` (an engine's model runners, as the engine resolved them) attnhost's own resolution is
+    not run: the engine's answer is the one that must agree.
+    """
     host = default_host()
     plugins: tuple[PluginRow, ...] = ()
     resolved_platform: str | None = platform
@@ -49,6 +62,8 @@ def _local_fingerprint(args: ArgsLike = None, *, platform: str | None = None, ra
         plugins = tuple((info.name, info.distribution, info.version, info.status.value) for info in host.plugins())
         resolved_platform = current_platform(platform)
         backends = tuple((entry.name, entry.plugin, entry.draft) for entry in host.registry().entries())
+        if runners is not None:
+            return RankFingerprint(rank, resolved_platform, plugins, backends, None, error, tuple(runners))
         server_args = args if isinstance(args, ServerArgs) else ServerArgs(**dict(args or {}))
         result = resolve(server_args, resolved_platform)
     except Exception as exc:  # reported to every rank instead of skipping the collective
@@ -95,6 +110,15 @@ def _describe_differences(ref: RankFingerprint, other: RankFingerprint) -> str:
             elif draft_a != draft_b:
                 capable = "draft-capable" if draft_b else "not draft-capable"
                 parts.append(f"backend {name!r} is {capable} on rank {other.rank}, unlike on rank {ref.rank}")
+    for ref_runner, runner in zip(ref.runners, other.runners, strict=False):
+        roles = zip(("prefill", "decode", "draft"), ref_runner[1:], runner[1:], strict=True)
+        parts += [
+            f"{runner[0]} resolved {role} {y!r} on rank {other.rank}, {x!r} on rank {ref.rank}"
+            for role, x, y in roles
+            if x != y
+        ]
+    if len(ref.runners) != len(other.runners):
+        parts.append(f"{len(other.runners)} model runner(s) vs {len(ref.runners)}")
     if ref.resolved and other.resolved:
         pairs = zip(("prefill", "decode", "draft"), ref.resolved, other.resolved, strict=True)
         parts += [f"{role} {b!r} vs {a!r}" for role, a, b in pairs if a != b]
@@ -112,23 +136,31 @@ def compare_fingerprints(fingerprints: Sequence[RankFingerprint]) -> str | None:
     details = " | ".join(_describe_differences(ref, fp) for fp in differing)
     return (
         f"attention plugins or backends differ across ranks (rank(s) {ranks} vs rank {ref.rank}): {details} "
-        "— give every rank the same installed plugins and ATTNHOST_* settings"
+        "— install the same plugin packages on every rank and give every rank the same ATTNHOST_* settings "
+        "and attention-backend arguments"
     )
 
 
 def check_ranks_agree(
-    args: ArgsLike = None, *, group: Any = None, platform: str | None = None
+    args: ArgsLike = None,
+    *,
+    group: Any = None,
+    platform: str | None = None,
+    runners: Sequence[RunnerRow] | None = None,
+    error: str | None = None,
 ) -> tuple[RankFingerprint, ...]:
     """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree.
 
-    Raises the same :class:`RankMismatchError` on every rank when any differs, :class:`RankCheckError` if
-    the gather fails (a rank never joins before the group's timeout, say).
+    An engine bridge passes ``runners`` (what its model runners resolved, compared instead of attnhost's
+    own resolution of ``args``) and ``error`` (this rank's failure to build them, sent rather than skipping
+    the collective). Raises the same :class:`RankMismatchError` on every rank when any differs,
+    :class:`RankCheckError` if the gather fails (a rank never joins before the group's timeout, say).
     """
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
         raise RankCheckError("check_ranks_agree needs an initialised torch.distributed process group")
-    mine = _local_fingerprint(args, platform=platform, rank=dist.get_rank())
+    mine = _local_fingerprint(args, platform=platform, rank=dist.get_rank(), runners=runners, error=error)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(gathered, mine, group=group)

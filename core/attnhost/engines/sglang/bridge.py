@@ -170,6 +170,9 @@ def _install_hooks() -> None:
     register_resolution_hook(_COMPAT_STEP)(_attention_compatibility)
     HookRegistry.register(_DRAFT_RESOLVER, _resolve_draft_backend, HookType.AROUND)
     HookRegistry.register(_DRAFT_FACTORY, _draft_backend, HookType.AROUND)
+    from attnhost.engines.sglang.agreement import install_agreement_check  # every rank must agree (issue 25)
+
+    install_agreement_check()
 
 
 def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) -> None:
