@@ -9,14 +9,11 @@ target ``EXTEND`` and ``TARGET_VERIFY``, the draft ``EXTEND``,
 ``DRAFT_EXTEND_V2`` and ``DECODE`` (the latter on the per-step children of the
 draft worker's multi-step container).
 
-The cases are one table keyed by attention backend names. SGLang's own
-``triton`` backend (run by triton's interpreter, ``SPECULATIVE_ENV``) proves
-the scaffolding itself: SGLang's speculative worker, verify and draft-extend
-paths, the test platform's hooks and the kit's tree-kernel stand-ins. The
-attnhost cases are issue 21's; until the adapter serves ``TARGET_VERIFY``,
-``DRAFT_EXTEND_V2`` and SGLang's draft worker, they are strict xfails
-("adapter support pending"), so the first one that passes fails the suite and
-its mark must go.
+The cases are one table keyed by attention backend names: issue 21's attnhost
+cases, and one of SGLang's own ``triton`` backend (run by triton's
+interpreter, ``SPECULATIVE_ENV``) as the reference that proves the scaffolding
+itself (SGLang's speculative worker, the test platform's hooks and the kit's
+tree-kernel stand-ins) independently of attnhost's adapter.
 
 SGLang's EAGLE runs too, with a random EAGLE head made locally in the layout
 SGLang's ``LlamaForCausalLMEagle`` loads (the kit's ``build_eagle_head``).
@@ -46,8 +43,6 @@ from attnhost_sglang_cpu.e2e import (
 from attnhost_sglang_cpu.run_engine import speculative_args
 from conftest import NEW_TOKENS
 from distgen import make_dist
-
-PENDING = "adapter support pending"
 
 #: A third-party plugin for the fallback and refusal cases: ``acme_nodraft`` cannot draft, ``acme_draft`` can
 #: and is this plugin's draft fallback on the CPU; neither declares tree masks.
@@ -103,7 +98,7 @@ class SpecCase:
     target_class: str = ADAPTER
     draft_class: str = ADAPTER
     refused: tuple[str, ...] = ()  # words the start-up error must contain (the run must fail)
-    pending: bool = True  # an attnhost case the adapter does not serve yet
+    drafts_on: str | None = None  # the backend the draft runner must have resolved (default: the named or target's)
 
     def engine_run(self, drafts: dict[str, Path]) -> dict[str, Any]:
         algorithm = "EAGLE" if self.draft == "eagle" else "STANDALONE"
@@ -114,42 +109,20 @@ class SpecCase:
 
 
 CASES = [
-    # SGLang's own backend through the kit: proves the CPU scaffolding, independent of attnhost's adapter.
-    SpecCase("triton-chain", "triton", target_class=SGLANG_TRITON, draft_class=SGLANG_TRITON, pending=False),
-    SpecCase("triton-tree", "triton", topk=2, target_class=SGLANG_TRITON, draft_class=SGLANG_TRITON, pending=False),
-    SpecCase(
-        "triton-copy-chain",
-        "triton",
-        draft="copy",
-        target_class=SGLANG_TRITON,
-        draft_class=SGLANG_TRITON,
-        pending=False,
-    ),
-    SpecCase(
-        "triton-eagle-tree",
-        "triton",
-        topk=2,
-        draft="eagle",
-        target_class=SGLANG_TRITON,
-        draft_class=SGLANG_TRITON,
-        pending=False,
-    ),
+    # SGLang's own backend through the kit: the reference, independent of attnhost's adapter.
+    SpecCase("triton-tree", "triton", topk=2, target_class=SGLANG_TRITON, draft_class=SGLANG_TRITON),
     # issue 21, point 5: attnhost backends as target and draft.
     SpecCase("chain-batched_matmul", "batched_matmul"),
     SpecCase("chain-attnhost_torch_native", "attnhost_torch_native"),
     SpecCase("chain-attnhost_torch_native-draft-tiny", "attnhost_torch_native", draft_backend="tiny"),
-    SpecCase("chain-fallback-acme", "acme_nodraft"),  # not draft-capable: acme's CPU fallback drafts
+    # acme_nodraft cannot draft: acme's CPU fallback drafts
+    SpecCase("chain-fallback-acme", "acme_nodraft", drafts_on="acme_draft"),
     SpecCase("tree-tiny", "tiny", topk=2),
     SpecCase("tree-attnhost_torch_native", "attnhost_torch_native", topk=2),
     SpecCase("copy-chain-batched_matmul", "batched_matmul", draft="copy"),
-    SpecCase("eagle-chain-batched_matmul", "batched_matmul", draft="eagle"),
-    SpecCase("tree-refused-acme", "acme_draft", topk=2, refused=("acme_draft", "tree")),
+    SpecCase("eagle-tree-tiny", "tiny", topk=2, draft="eagle"),
+    SpecCase("tree-refused-acme", "acme_draft", topk=2, refused=("acme_draft", "tree_mask")),
 ]
-
-
-def _param(case: SpecCase) -> Any:
-    marks = [pytest.mark.xfail(strict=True, reason=PENDING)] if case.pending else []
-    return pytest.param(case, id=case.name, marks=marks)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +151,7 @@ def spec_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -
     )
 
 
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name) for c in CASES])
 def test_speculative_ids_equal_the_plain_ids(case: SpecCase, spec_runs: EngineRuns, tiny_model: TinyModel) -> None:
     result = spec_runs.results[case.name]
     if case.refused:
@@ -197,6 +170,8 @@ def test_speculative_ids_equal_the_plain_ids(case: SpecCase, spec_runs: EngineRu
     seen = speculative_summary(read_probe(spec_runs.probes[case.name]))
     assert seen["target_class"] == [case.target_class], seen
     assert seen["draft_class"] == [case.draft_class], seen
+    # the backends SGLang's DraftBackendFactory built for the draft worker carry the name they were built for
+    assert seen["draft_backend"] == [case.drafts_on or case.draft_backend or case.target], seen
     assert {"EXTEND", "TARGET_VERIFY"} <= seen["modes"]["target"], seen
     assert {"EXTEND", "DRAFT_EXTEND_V2", "DECODE"} <= seen["modes"]["draft"], seen
     assert len(seen["children"]) == 3 - 1, seen  # one backend per draft step after the first (3 steps)

@@ -2,7 +2,7 @@
 
 Two kinds of run, each in its own interpreter and process group:
 
-* One engine driver (scaffolding/run_engine.py) builds, in turn, a ``tp_size=2`` engine for each
+* One engine driver (the test kit's ``attnhost_sglang_cpu.run_engine``) builds, in turn, a ``tp_size=2`` engine for each
   attnhost backend and a ``tp_size=1`` engine for the built-in one: all generate HF transformers' greedy
   ids. SGLang shards the model over two gloo ranks; each rank's adapter attends over its own KV heads.
   (``tp_size=1`` equals HF for every backend in test_engine.py; one ``tp_size=1`` start here keeps the
@@ -23,17 +23,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from attnhost_sglang_cpu import driver_command, sglang_env
+from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, check_probe, read_probe
+from attnhost_sglang_cpu.procs import Finished, describe, free_port, kill_group, run_in_group, wait_group_empty
+from conftest import NEW_TOKENS
 from distgen import make_dist
-from sgl_e2e import ADAPTER, NEW_TOKENS, TinyModel, check_probe, read_probe
-from sgl_procs import Finished, describe, free_port, kill_group, run_in_group, wait_group_empty
-from sgl_scaffold import SCAFFOLDING, sglang_env
 
 BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul")
 RUNS = [("attnhost_torch_native", 1), *((backend, 2) for backend in BACKENDS)]
@@ -61,7 +61,7 @@ def run_id(backend: str, tp: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tp_runs(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory: pytest.TempPathFactory) -> TpRuns:
+def tp_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> TpRuns:
     probes_dir = tmp_path_factory.mktemp("tp-probes")
     runs = [
         {
@@ -74,8 +74,8 @@ def tp_runs(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory: pytest.T
     ]
     job = {"model": str(tiny_model.path), "prompts": tiny_model.prompts, "new_tokens": NEW_TOKENS, "runs": runs}
     done = run_in_group(
-        [sys.executable, str(SCAFFOLDING / "run_engine.py"), json.dumps(job)],
-        sglang_env(sglang_site, RANK_CPUS),
+        driver_command("run_engine", json.dumps(job)),
+        sglang_env(RANK_CPUS),
         timeout=900,
     )
     results = {}
@@ -126,7 +126,7 @@ class Node:
 
 
 @pytest.fixture(scope="module")
-def disagreeing_nodes(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Node]:
+def disagreeing_nodes(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> list[Node]:
     """Start both nodes of a two-node, tp_size=2 engine whose ranks see different plugins; wait for both."""
     acme_site = tmp_path_factory.mktemp("node0-only-site")
     make_dist(
@@ -148,10 +148,10 @@ def disagreeing_nodes(tiny_model: TinyModel, sglang_site: Path, tmp_path_factory
             "runs": [{"backend": backend, "probe": os.devnull, "engine_args": engine_args}],
         }
         # A follower node's Engine returns once its schedulers are up instead of blocking on them.
-        env = sglang_env(sglang_site, {**RANK_CPUS, "SGLANG_BLOCK_NONZERO_RANK_CHILDREN": "0"})
+        env = sglang_env({**RANK_CPUS, "SGLANG_BLOCK_NONZERO_RANK_CHILDREN": "0"})
         if rank == 0:
             env["PYTHONPATH"] = os.pathsep.join((str(acme_site), env["PYTHONPATH"]))
-        cmd = [sys.executable, str(SCAFFOLDING / "run_engine.py"), json.dumps(job)]
+        cmd = driver_command("run_engine", json.dumps(job))
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -247,8 +247,17 @@ def _draft_backend(
     """SGLang's draft-backend lookup, with attnhost's exported names in the map it reads.
 
     ``stamps_children`` is how SGLang asks for the multi-step decode container (it stamps each
-    ``attn_backends`` child); otherwise it wants the draft runner's draft-extend backend.
+    ``attn_backends`` child); otherwise it wants the draft runner's draft-extend backend. EAGLE and
+    STANDALONE drafts with no backend of their own inherit the target's even when it cannot draft
+    (SGLang's fallback resolver serves only its DFLASH workers): there the mission's rule applies, and a
+    third-party ``attnhost_draft_fallback`` answer for this platform drafts instead.
     """
+    from sglang.srt.runtime_context import attention_backends
+
+    if factory.draft_attn_backend is None:
+        prefill, decode = attention_backends()
+        inherited = decode if backend_name == "decode_attention_backend" else prefill
+        factory.draft_attn_backend = _plugin_fallback(inherited)
     runner = factory.draft_model_runner
     ours: dict[str, Callable[[], tuple[str, Any]]] = {}
     for name, build in _ours.items():
@@ -271,21 +280,26 @@ def _multistep(name: str, build: Callable[[Any], Any], runner: Any, topk: int, s
 
 def _resolve_draft_backend(original: Callable[..., str], *args: Any, **kwargs: Any) -> str:
     """SGLang's draft resolver, except that a third-party fallback answer for this platform wins a fallback."""
-    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
     from sglang.srt.runtime_context import attention_backends, get_spec
 
-    named = get_spec().speculative_draft_attention_backend or attention_backends()[0]
+    answer = _plugin_fallback(get_spec().speculative_draft_attention_backend or attention_backends()[0])
+    return answer if answer is not None else original(*args, **kwargs)
+
+
+def _plugin_fallback(named: str | None) -> str | None:
+    """A third-party plugin's draft fallback when ``named`` cannot draft (or there is none), else ``None``."""
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+
     if named is not None and named in DRAFT_ATTENTION_BACKEND_CHOICES:
-        return original(*args, **kwargs)  # SGLang uses the named backend: nothing to decide
+        return None  # SGLang uses the named backend: nothing to decide
     answer = third_party_draft_fallback()
-    if answer is None:
-        return original(*args, **kwargs)
-    logger.warning(
-        "draft worker: %s; using %r, the draft fallback a plugin gives for %s (hook attnhost_draft_fallback)",
-        "no attention backend named" if named is None else f"{named!r} is not draft-capable",
-        answer,
-        current_platform(),
-    )
+    if answer is not None:
+        why = "no attention backend named" if named is None else f"{named!r} is not draft-capable"
+        _log_once(
+            logging.WARNING,
+            f"draft worker: {why}; using {answer!r}, the draft fallback a plugin gives for {current_platform()} "
+            "(hook attnhost_draft_fallback)",
+        )
     return answer
 
 

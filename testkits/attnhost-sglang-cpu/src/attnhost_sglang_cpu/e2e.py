@@ -113,6 +113,7 @@ def speculative_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "target_class": sorted({r["backend_class"] for r in runners.values() if not r["is_draft_worker"]}),
         "draft_class": sorted({r["backend_class"] for r in runners.values() if r["is_draft_worker"]}),
+        "draft_backend": None,
         "modes": {"target": set(), "draft": set()},
         "classes": {"target": set(), "draft": set()},
         "container": None,
@@ -126,6 +127,7 @@ def speculative_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
             summary["container"] = decode.get("backend_class")
             summary["children"] = decode.get("children") or []
             summary["draft_extend_class"] = extend.get("backend_class")
+            summary["draft_backend"] = sorted({part.get("stamp") for part in (decode, extend) if part})
     child_ids = {child for child, _ in summary["children"]}
     for r in records:
         if r["event"] != "forward" or r["mode"] is None or r["runner"] not in role_of:

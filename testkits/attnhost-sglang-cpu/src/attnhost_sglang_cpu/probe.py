@@ -166,6 +166,7 @@ def _described(backend: Any) -> dict[str, Any] | None:
     return {
         "backend": id(backend),
         "backend_class": _qualified(backend),
+        "stamp": getattr(backend, "prefill_attention_backend_str", None),
         "children": None if children is None else [[id(c), _qualified(c)] for c in children],
     }
 
