@@ -102,28 +102,32 @@ def main() -> None:
     )
     startups: dict[str, list[float]] = {"on": [], "off": []}
     checks: list[float] = []
-    for round_ in range(args.rounds):
-        for mode in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
-            times = root / f"check-{round_}-{mode}.jsonl"
-            env = sglang_env(site, {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", MODE_ENV: mode, TIMES_ENV: str(times)})
-            done = subprocess.run(
-                [sys.executable, __file__, "--child", str(model)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                start_new_session=True,
-            )
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                raise SystemExit(f"engine start ({mode}) failed:\n{done.stderr[-4000:]}")
-            startups[mode].append(json.loads(lines[-1])["startup"])
-            if mode == "on":
-                ranks = [json.loads(line)["seconds"] for line in times.read_text().splitlines()]
-                if len(ranks) != 2:
-                    raise SystemExit(f"expected the check's time from 2 ranks, got {ranks}")
-                checks.append(max(ranks))
-            print(f"round {round_} {mode:>3}: start-up {startups[mode][-1]:6.2f} s", flush=True)
+    schedule = [(-1, "off")]  # an untimed first start: a cold page cache would otherwise count against one arm
+    schedule += [(r, mode) for r in range(args.rounds) for mode in (("on", "off") if r % 2 == 0 else ("off", "on"))]
+    for round_, mode in schedule:
+        times = root / f"check-{round_}-{mode}.jsonl"
+        env = sglang_env(site, {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", MODE_ENV: mode, TIMES_ENV: str(times)})
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(model)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            start_new_session=True,
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise SystemExit(f"engine start ({mode}) failed:\n{done.stderr[-4000:]}")
+        if round_ < 0:
+            print(f"warm-up start: {json.loads(lines[-1])['startup']:6.2f} s (not counted)", flush=True)
+            continue
+        startups[mode].append(json.loads(lines[-1])["startup"])
+        if mode == "on":
+            ranks = [json.loads(line)["seconds"] for line in times.read_text().splitlines()]
+            if len(ranks) != 2:
+                raise SystemExit(f"expected the check's time from 2 ranks, got {ranks}")
+            checks.append(max(ranks))
+        print(f"round {round_} {mode:>3}: start-up {startups[mode][-1]:6.2f} s", flush=True)
     on, off = statistics.median(startups["on"]), statistics.median(startups["off"])
     check = statistics.median(checks)
     print()
