@@ -15,8 +15,9 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   attention backend, whose greedy ids must equal HF transformers';
 * a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
   tree when the backend declares tree masks: greedy ids equal HF's, with
-  ``spec_verify_ct > 0`` (expected to fail until attnhost's SGLang adapter
-  serves speculative batches).
+  ``spec_verify_ct > 0``;
+* the same engine with tensor parallelism (``tp_size=2``, two CPU ranks): HF's
+  greedy ids, the adapter on every rank, and the ranks' agreement check passed.
 
 SGLang runs in this process for the first two (plugins loaded by SGLang's own
 ``load_plugins()``) and in spawned engine processes on the kit's CPU platform
@@ -51,7 +52,8 @@ __all__ = ["TestSGLangEngine"]
 
 NEW_TOKENS = 8
 BRIDGE = "attnhost.engines.sglang.bridge"
-PENDING = "attnhost's SGLang adapter does not serve speculative batches yet"
+#: SGLang wants one CPU set per rank when the ranks outnumber NUMA nodes.
+RANK_CPUS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 N_DENSE = len(dense_cases("any"))
 
 
@@ -97,10 +99,12 @@ def kit_draft(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyModel) ->
     return path
 
 
-def _engine(model: TinyModel, backend: str, tmp: Path, **engine_args: Any) -> tuple[dict[str, Any], Path]:
+def _engine(
+    model: TinyModel, backend: str, tmp: Path, env: dict[str, str] | None = None, **engine_args: Any
+) -> tuple[dict[str, Any], Path]:
     runs = run_engines(
         model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "engine_args": engine_args}], tmp,
-        env=SPECULATIVE_ENV if engine_args else None,
+        env=env if env is not None else (SPECULATIVE_ENV if engine_args else None),
     )  # fmt: skip
     result = runs.results[backend]
     assert "error" not in result, f"sglang.Engine with attention backend {backend!r} failed:\n{result['error']}"
@@ -149,7 +153,17 @@ class TestSGLangEngine:
         built = {r["backend_class"] for r in read_probe(probe) if r["event"] == "runner"}
         assert built == {ADAPTER}, f"the model runner built {built}, not attnhost's adapter"
 
-    @pytest.mark.xfail(reason=PENDING, strict=False)
+    def test_tensor_parallel_greedy_ids_equal_hf(
+        self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path
+    ) -> None:
+        backend = sglang_name(attnhost_backend_name)
+        result, probe = _engine(kit_model, backend, tmp_path, env=RANK_CPUS, tp_size=2)
+        assert result["output_ids"] == kit_model.hf_ids, (
+            f"tp_size=2 greedy ids with {backend!r} differ from HF transformers': {result['output_ids']}"
+        )
+        ranks = {r["pid"] for r in read_probe(probe) if r["event"] == "runner" and r["backend_class"] == ADAPTER}
+        assert len(ranks) == 2, f"attnhost's adapter ran in {len(ranks)} rank process(es), not 2"
+
     @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
     def test_speculative_ids_equal_hf(
         self, attnhost_backend_name: str, topk: int, kit_model: TinyModel, kit_draft: Path, tmp_path: Path
