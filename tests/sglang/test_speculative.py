@@ -45,7 +45,8 @@ from conftest import NEW_TOKENS
 from distgen import make_dist
 
 #: A third-party plugin for the fallback and refusal cases: ``acme_nodraft`` cannot draft, ``acme_draft`` can
-#: and is this plugin's draft fallback on the CPU; neither declares tree masks.
+#: and is this plugin's draft fallback on the CPU; neither declares tree masks. It also lets drafts use the
+#: built-in ``torch_native`` (any plugin may name any backend draft-capable), so that one drafts on itself.
 ACME = '''
 """acme-spec: a target-only backend, a draft backend that is the CPU draft fallback (test plugin)."""
 from attnhost import BackendSpec, hookimpl
@@ -63,7 +64,7 @@ def attnhost_attention_backends():
 
 @hookimpl
 def attnhost_draft_attention_backends():
-    return ["acme_draft"]
+    return ["acme_draft", "torch_native"]
 
 
 @hookimpl
