@@ -96,6 +96,7 @@ def test_unknown_name_of_a_plugin_that_failed_to_load_names_that_plugin(tmp_path
     assert len(error_lines) == 1, result.stderr
 
 
+@pytest.mark.torch  # the shorthand class subclasses torch_native, whose module imports torch
 def test_a_backend_without_a_description_shows_a_dash(tmp_path: Path) -> None:
     make_plugin(tmp_path, "nodoc-attn", "1.0", "nodoc", "nodoc_attn", NODOC, "NoDocstring")
     row = json.loads(run_cli("list", "nodoc", "--json", path_entries=[tmp_path]).stdout)["backend"]
