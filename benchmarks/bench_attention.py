@@ -57,14 +57,11 @@ def _cases(quick: bool) -> list[tuple[str, str, int, int, int, bool]]:
     return cases
 
 
-def _setup(mode: str, n_req: int, prefix: int, new: int, contiguous: bool) -> tuple[Any, ...]:
-    import torch
+def _runner(n_req: int, seq: int) -> Any:
+    """A one-layer torch_native runner whose cache holds ``n_req`` requests of ``seq`` tokens exactly."""
+    from attnhost import ModelRunner, ServerArgs
 
-    from attnhost import ForwardBatch, ForwardMode, ModelRunner, ServerArgs
-
-    torch.manual_seed(0)
-    seq = prefix + new
-    runner = ModelRunner(
+    return ModelRunner(
         ServerArgs(attention_backend="torch_native"),
         num_layers=1,
         num_heads=HEADS,
@@ -74,6 +71,16 @@ def _setup(mode: str, n_req: int, prefix: int, new: int, contiguous: bool) -> tu
         max_context_len=seq,
         num_slots=n_req * seq,
     )
+
+
+def _setup(mode: str, n_req: int, prefix: int, new: int, contiguous: bool) -> tuple[Any, ...]:
+    import torch
+
+    from attnhost import ForwardBatch, ForwardMode
+
+    torch.manual_seed(0)
+    seq = prefix + new
+    runner = _runner(n_req, seq)
     pool = runner.kv_pool
     requests = [runner.new_request() for _ in range(n_req)]
     forward_mode = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
@@ -146,19 +153,10 @@ def _verify_setup(n_req: int, prefix: int, new: int, topk: int | None) -> tuple[
     """A runner with ``n_req`` prefilled requests and a TARGET_VERIFY batch over them: a tree when ``topk``."""
     import torch
 
-    from attnhost import ForwardMode, ModelRunner, ServerArgs
+    from attnhost import ForwardMode
 
     torch.manual_seed(0)
-    runner = ModelRunner(
-        ServerArgs(attention_backend="torch_native"),
-        num_layers=1,
-        num_heads=HEADS,
-        num_kv_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        max_requests=n_req,
-        max_context_len=prefix + new,
-        num_slots=n_req * (prefix + new),
-    )
+    runner = _runner(n_req, prefix + new)
     requests = [runner.new_request() for _ in range(n_req)]
     runner.prepare_batch(ForwardMode.EXTEND, [(r, 0, prefix) for r in requests])
     runner.kv_pool.k_buffer(0).normal_()
