@@ -34,11 +34,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests" / "sglang" / "scaffolding"))
 
-import shim  # noqa: E402
+from attnhost_sglang_cpu import shim  # noqa: E402  (the test-only SGLang CPU kit, testkits/attnhost-sglang-cpu)
 
-shim.install()  # SGLang imports torchvision at module level (see tests/sglang/scaffolding/shim.py)
+shim.install()  # SGLang imports torchvision at module level, and PyPI's torchvision cannot import beside the CPU torch
 
 import torch  # noqa: E402
 from _common import Row, Stats, interleaved, per_call  # noqa: E402

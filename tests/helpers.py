@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,21 @@ from typing import Any
 from distgen import make_dist
 
 GROUP = "sglang.draft_attention_backends"
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def plugin_guide() -> str:
+    """The README's plugin guide: what a plugin author follows, so what the tests build plugins from."""
+    text = README.read_text()
+    return text[text.index("<!-- plugin-guide:start -->") : text.index("<!-- plugin-guide:end -->")]
+
+
+def guide_block(guide: str, first_line: str) -> str:
+    """The fenced block of the guide whose first line is ``first_line`` (a file-name comment)."""
+    for match in re.finditer(r"```(?:python|toml)\n(.*?)```", guide, re.S):
+        if match.group(1).startswith(first_line):
+            return match.group(1)
+    raise AssertionError(f"the plugin guide lost its block starting {first_line!r}")
 
 
 def subprocess_env(path_entries: Iterable[Path | str] = (), env: Mapping[str, str] | None = None) -> dict[str, str]:

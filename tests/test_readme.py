@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import run_python
+from helpers import guide_block, plugin_guide, run_python
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -30,20 +30,6 @@ def test_python_example_runs_and_dispatches_per_runner() -> None:
     assert result.stdout.strip().endswith("ok")
 
 
-def _guide() -> str:
-    text = README.read_text()
-    start, end = text.index("<!-- plugin-guide:start -->"), text.index("<!-- plugin-guide:end -->")
-    return text[start:end]
-
-
-def _block(guide: str, first_line: str) -> str:
-    """The fenced block of the guide whose first line is ``first_line`` (a file-name comment)."""
-    for match in re.finditer(r"```(?:python|toml)\n(.*?)```", guide, re.S):
-        if match.group(1).startswith(first_line):
-            return match.group(1)
-    raise AssertionError(f"the plugin guide lost its block starting {first_line!r}")
-
-
 def test_plugin_guide_builds_a_backend_that_passes_the_conformance_kit(tmp_path: Path) -> None:
     """The guide's pyproject, hooks, kernel and test file, installed as written, pass the whole kit."""
     import subprocess
@@ -53,8 +39,8 @@ def test_plugin_guide_builds_a_backend_that_passes_the_conformance_kit(tmp_path:
     from distgen import make_dist
     from helpers import subprocess_env
 
-    guide = _guide()
-    project = tomllib.loads(_block(guide, "# pyproject.toml"))["project"]
+    guide = plugin_guide()
+    project = tomllib.loads(guide_block(guide, "# pyproject.toml"))["project"]
     site = tmp_path / "site"
     make_dist(
         site,
@@ -62,13 +48,13 @@ def test_plugin_guide_builds_a_backend_that_passes_the_conformance_kit(tmp_path:
         project["version"],
         project["entry-points"],
         modules={
-            "acme_attn": _block(guide, "# acme_attn/__init__.py"),
-            "acme_attn.kernels": _block(guide, "# acme_attn/kernels.py"),
+            "acme_attn": guide_block(guide, "# acme_attn/__init__.py"),
+            "acme_attn.kernels": guide_block(guide, "# acme_attn/kernels.py"),
         },
     )
     author = tmp_path / "acme-attn"
     (author / "tests").mkdir(parents=True)
-    (author / "tests" / "test_conformance.py").write_text(_block(guide, "# tests/test_conformance.py"))
+    (author / "tests" / "test_conformance.py").write_text(guide_block(guide, "# tests/test_conformance.py"))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", "tests"],
         capture_output=True,
@@ -83,7 +69,7 @@ def test_plugin_guide_builds_a_backend_that_passes_the_conformance_kit(tmp_path:
 
 
 def test_plugin_guide_documents_every_field_a_backend_reads() -> None:
-    guide = _guide()
+    guide = plugin_guide()
     for name in (
         "req_pool_indices",
         "seq_lens_cpu",
