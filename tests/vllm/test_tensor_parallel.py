@@ -267,3 +267,61 @@ def test_disagreeing_ranks_stop_within_a_bound_and_leave_nothing_behind(cases: d
     for ranks in cases.values():
         for rank in ranks:
             assert not _group(rank.pid), f"rank {rank.rank}'s process group is still alive"
+
+
+def test_the_wrapper_is_installed_once_and_keeps_vllms_method() -> None:
+    import inspect
+
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    installed = WorkerBase.__dict__["get_supported_kv_cache_layouts"]  # by vLLM's own plugin loader (conftest)
+    assert getattr(installed, "__attnhost_agreement__", False)
+    vllms = installed.__wrapped__
+    assert vllms.__module__ == "vllm.v1.worker.worker_base" and not hasattr(vllms, "__attnhost_agreement__")
+    assert inspect.signature(installed) == inspect.signature(vllms)
+    assert (installed.__name__, installed.__qualname__, installed.__doc__) == (
+        vllms.__name__,
+        vllms.__qualname__,
+        vllms.__doc__,
+    )
+    agreement.install_agreement_check()
+    agreement.install_agreement_check()
+    assert WorkerBase.__dict__["get_supported_kv_cache_layouts"] is installed  # never wrapped twice
+    assert not any(type(finder).__name__ == "_WrapOnImport" for finder in sys.meta_path)
+
+
+DEFERRED = """
+import sys
+from vllm.plugins import load_general_plugins
+
+load_general_plugins()  # as vLLM's front end does, before any worker module is imported
+before = "vllm.v1.worker.worker_base" in sys.modules
+import vllm.v1.worker.worker_base as worker_base
+
+method = worker_base.WorkerBase.get_supported_kv_cache_layouts
+hooks = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_WrapOnImport"]
+print(before, getattr(method, "__attnhost_agreement__", False), method.__wrapped__.__module__, hooks)
+"""
+
+
+def test_register_before_vllms_worker_module_wraps_it_when_it_is_imported() -> None:
+    """``register()`` does not import the worker module (seconds of imports); its first import is wrapped."""
+    done = subprocess.run([sys.executable, "-c", DEFERRED], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "False True vllm.v1.worker.worker_base []", done.stdout
+
+
+def test_layers_are_reported_by_vllm_name_with_the_attnhost_backend_they_run(tiny_model: str) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = EngineArgs(model=tiny_model, skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+    assert agreement.layer_rows(config) == ()  # no model built: nothing to compare, and no row
+    torch_native = AttentionBackendEnum.TORCH_NATIVE.get_class()
+    with set_current_vllm_config(config):
+        for i, backend in enumerate((None, torch_native, torch_native)):  # None: vLLM's selector (CPU_ATTN)
+            Attention(4, 16, 0.25, num_kv_heads=2, prefix=f"model.layers.{i}.self_attn.attn", attn_backend=backend)
+    summary = "CPU_ATTN (1 layer), TORCH_NATIVE [attnhost torch_native] (2 layers)"
+    assert agreement.layer_rows(config) == ((agreement.LAYERS_LABEL, summary, summary, None),)
