@@ -26,6 +26,7 @@ here, and the engine core's own ``collective_rpc`` call is replaced by the same 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -156,10 +157,8 @@ def _kill_group(pgid: int) -> list[str]:
     while (left := _group(pgid)) and time.monotonic() < deadline:
         time.sleep(0.2)  # a child (multiprocessing's resource tracker) exits on its own shortly after
     described = [f"{proc.pid} {' '.join(proc.cmdline()[:3])}" for proc in left]
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     return described
 
 
