@@ -30,8 +30,8 @@ as that worker's failure and the engine does not start.
 
 Not compared: pipeline stages with each other (their layers differ by design) and data-parallel replicas
 (separate engines). A worker class that overrides ``get_supported_kv_cache_layouts`` without calling
-vLLM's skips the check; its peers then fail with :class:`~attnhost.errors.RankCheckError` at the group's
-timeout (``--distributed-timeout-seconds``), not a silent hang.
+vLLM's skips the check; its peers then fail with :class:`~attnhost.errors.RankCheckError` at the
+CPU-group timeout (``--cpu-distributed-timeout-seconds``, else gloo's 30 minutes), not a silent hang.
 """
 
 from __future__ import annotations
