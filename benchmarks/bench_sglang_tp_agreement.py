@@ -28,9 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-sys.path[:0] = [str(TESTS / "sglang" / "scaffolding"), str(TESTS / "sglang"), str(TESTS)]
+sys.path.insert(0, str(TESTS))  # distgen: plugins written as real distributions
 
-import shim  # noqa: E402
+from attnhost_sglang_cpu import shim  # noqa: E402  (the test-only SGLang CPU kit, testkits/attnhost-sglang-cpu)
 
 shim.install()  # SGLang's spawned schedulers re-import this file as __mp_main__ and need it too
 
@@ -85,14 +85,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="engine starts per arm (default 3)")
     args = parser.parse_args()
 
-    import sgl_tiny_model as tm
+    from attnhost_sglang_cpu import sglang_env
+    from attnhost_sglang_cpu import tiny_model as tm
     from distgen import make_dist
-    from sgl_scaffold import install_test_plugins, sglang_env
 
     root = Path(tempfile.mkdtemp(prefix="bench-tp-agreement-"))
     model = root / "model"
     tm.build_model(model)
-    site = install_test_plugins(root / "site")
+    site = root / "site"
     make_dist(
         site,
         "attnhost-bench-agreement",
@@ -106,7 +106,9 @@ def main() -> None:
     schedule += [(r, mode) for r in range(args.rounds) for mode in (("on", "off") if r % 2 == 0 else ("off", "on"))]
     for round_, mode in schedule:
         times = root / f"check-{round_}-{mode}.jsonl"
-        env = sglang_env(site, {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", MODE_ENV: mode, TIMES_ENV: str(times)})
+        env = sglang_env(
+            {"SGLANG_CPU_OMP_THREADS_BIND": "0|1", MODE_ENV: mode, TIMES_ENV: str(times)}, path_entries=[str(site)]
+        )
         done = subprocess.run(
             [sys.executable, __file__, "--child", str(model)],
             env=env,
