@@ -97,6 +97,16 @@ def _class_path(member: Any) -> str:
     return str(_ATTN_OVERRIDES.get(member, member.value) or "")
 
 
+def _failure(cls: type, fcase: ForwardCase, what: str) -> AssertionError | None:
+    """The check's failure, if any, returned rather than raised: the test fails outside the ``except`` block, so
+    pytest shows the one line, not "during handling of the above exception"."""
+    try:
+        check(cls, fcase, what)
+    except AssertionError as exc:
+        return exc
+    return None
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return vllm_config.write_tiny_model(tmp_path_factory.mktemp("attnhost-vllm-kit-llama"))
@@ -201,10 +211,9 @@ class TestVllmEngine:
         declared = _declared_dtypes(backend)
         if dtype_name(fcase.dtype) not in declared:
             pytest.skip(f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})")
-        try:
-            check(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
-        except AssertionError as exc:
-            pytest.fail(str(exc), pytrace=False)
+        failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
+        if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
 
     @pytest.mark.parametrize("layout", LAYOUTS)
     def test_kv_cache_layout(self, attnhost_backend_name: str, layout: str) -> None:
@@ -216,13 +225,13 @@ class TestVllmEngine:
         fcase = ForwardCase("mixed", "gqa", 16, dtype, layout)
         what = f"vLLM forward of {backend.label}, {fcase.describe()}"
         declared = KVCacheLayout[layout] in cls.supported_kv_cache_layouts()
-        try:
-            check(cls, fcase, what)
-        except AssertionError as exc:
-            cause = exc.__cause__
-            if declared or not isinstance(cause, UnsupportedFeatureError):
-                pytest.fail(str(exc), pytrace=False)
-            # a layout the adapter does not declare may be refused, naming the backend and the layout
-            assert f"attnhost backend {backend.attnhost_name!r}" in str(cause) and "layout" in str(cause), (
-                f"{what}: the refusal does not name the backend and the layout: {cause}"
-            )
+        failure = _failure(cls, fcase, what)
+        if failure is None:
+            return
+        cause = failure.__cause__
+        if declared or not isinstance(cause, UnsupportedFeatureError):
+            pytest.fail(str(failure), pytrace=False)
+        # a layout the adapter does not declare may be refused, naming the backend and the layout
+        assert f"attnhost backend {backend.attnhost_name!r}" in str(cause) and "layout" in str(cause), (
+            f"{what}: the refusal does not name the backend and the layout: {cause}"
+        )
