@@ -50,7 +50,10 @@ def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Pa
     """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
     # this run's PYTHONPATH (the source tree, when tests run from it) made absolute: the command runs elsewhere
-    entries = [*map(str, path_entries), *(str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    entries = [
+        *map(str, path_entries),
+        *(str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
+    ]
     # COLUMNS: pytest cuts its summary lines to the terminal's width
     env.update({"PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                 "COLUMNS": "1000"})  # fmt: skip

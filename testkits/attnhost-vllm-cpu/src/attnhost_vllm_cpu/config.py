@@ -42,7 +42,15 @@ def parse_engine_args(model: str, attention_backend: str, draft_backend: str | N
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = ["--model", model, "--skip-tokenizer-init", "--max-model-len", "256", "--attention-backend", attention_backend]
+    argv = [
+        "--model",
+        model,
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        "256",
+        "--attention-backend",
+        attention_backend,
+    ]
     if draft_backend is not None:
         speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
                        "attention_backend": draft_backend}  # fmt: skip

@@ -72,7 +72,9 @@ def lookup(name: str) -> VllmBackend:
         if not availability.available:
             why = availability.reason
         else:
-            why = "; ".join(w for w in plan.warnings if repr(entry.name) in w) or "see `attnhost list " + entry.name + "`"
+            why = (
+                "; ".join(w for w in plan.warnings if repr(entry.name) in w) or "see `attnhost list " + entry.name + "`"
+            )
         raise NotInVllmError(f"attnhost backend {entry.name!r} ({entry.label}) is not registered with vLLM: {why}")
     member = AttentionBackendEnum.__members__.get(engine_name)
     if member is None:

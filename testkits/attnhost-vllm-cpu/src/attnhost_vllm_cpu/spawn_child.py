@@ -37,13 +37,13 @@ def _report(config: Any, payloads: list[bytes]) -> dict[str, Any]:
         except Exception as exc:
             members.append(f"{type(exc).__name__}: {exc}")
     return {
-            "plugins_loaded_before": loaded_before,
-            "target": target.name,
-            "draft": draft.name,
-            "target_cls": f"{target_cls.__module__}.{target_cls.__qualname__}",
-            "draft_cls": f"{draft_cls.__module__}.{draft_cls.__qualname__}",
-            "target_impl": target_cls.get_impl_cls().__qualname__,
-            "identity": target_cls.identity.attnhost_name,
-            "draft_identity": draft_cls.identity.attnhost_name,
-            "members": members,
+        "plugins_loaded_before": loaded_before,
+        "target": target.name,
+        "draft": draft.name,
+        "target_cls": f"{target_cls.__module__}.{target_cls.__qualname__}",
+        "draft_cls": f"{draft_cls.__module__}.{draft_cls.__qualname__}",
+        "target_impl": target_cls.get_impl_cls().__qualname__,
+        "identity": target_cls.identity.attnhost_name,
+        "draft_identity": draft_cls.identity.attnhost_name,
+        "members": members,
     }

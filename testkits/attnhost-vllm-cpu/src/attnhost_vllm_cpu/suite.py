@@ -155,7 +155,9 @@ class TestVllmEngine:
         from attnhost.engines.vllm.names import vllm_name
 
         backend = _backend(attnhost_backend_name)
-        expected = vllm_name(CLASH_PREFIX + backend.attnhost_name) if backend.renamed else vllm_name(backend.attnhost_name)
+        expected = (
+            vllm_name(CLASH_PREFIX + backend.attnhost_name) if backend.renamed else vllm_name(backend.attnhost_name)
+        )
         assert backend.engine_name == expected, (
             f"attnhost backend {backend.attnhost_name!r} is vLLM backend {backend.engine_name!r}, expected {expected!r}"
         )
@@ -210,7 +212,9 @@ class TestVllmEngine:
         backend = _backend(attnhost_backend_name)
         declared = _declared_dtypes(backend)
         if dtype_name(fcase.dtype) not in declared:
-            pytest.skip(f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})")
+            pytest.skip(
+                f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
+            )
         failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
         if failure is not None:
             pytest.fail(str(failure), pytrace=False)
