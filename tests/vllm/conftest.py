@@ -9,15 +9,15 @@ settings run in their own interpreter (see ``scenarios.py``).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from attnhost_vllm_cpu import use_cpu_environment
+
+use_cpu_environment()  # before anything imports vLLM
 sys.path.insert(0, str(Path(__file__).parent))
 
-import pytest
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
