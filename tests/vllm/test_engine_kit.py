@@ -46,22 +46,27 @@ class WrongAttnBackend(TorchNativeAttnBackend):
 '''
 
 
-def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Path, ...] = ()) -> tuple[int, str]:
-    """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
+def kit_env(path_entries: tuple[Path, ...] = ()) -> dict[str, str]:
+    """This environment for a pytest run elsewhere: no attnhost settings, this run's PYTHONPATH (the source tree,
+    when tests run from it) made absolute, *path_entries* first, and wide lines (pytest cuts summary lines to the
+    terminal's width)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
-    # this run's PYTHONPATH (the source tree, when tests run from it) made absolute: the command runs elsewhere
     entries = [
         *map(str, path_entries),
         *(str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
     ]
-    # COLUMNS: pytest cuts its summary lines to the terminal's width
     env.update({"PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                 "COLUMNS": "1000"})  # fmt: skip
+    return env
+
+
+def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Path, ...] = ()) -> tuple[int, str]:
+    """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
     args = [arg for name in names for arg in ("--attnhost-backend", name)]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", *args, "--attnhost-engine", "vllm",
          *extra],
-        capture_output=True, text=True, cwd=cwd, env=env, timeout=900,
+        capture_output=True, text=True, cwd=cwd, env=kit_env(path_entries), timeout=900,
     )  # fmt: skip
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -79,6 +84,19 @@ def test_the_kit_is_installed_test_only_with_one_entry_point() -> None:
     }
     assert "TEST-ONLY" in (kit.metadata["Summary"] or "")
     assert kit.requires in (None, [])  # installed --no-deps beside vLLM; it pulls nothing in
+
+
+def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> None:
+    """Installed beside vLLM, the kit (and vLLM) load only when ``--attnhost-engine vllm`` asks for them."""
+    (tmp_path / "test_other.py").write_text(
+        "import sys\n\n\ndef test_other():\n"
+        "    assert not {'attnhost_vllm_cpu', 'vllm'} & set(sys.modules), sorted(sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_other.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=kit_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("name", PROJECT_BACKENDS)
