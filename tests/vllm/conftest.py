@@ -9,15 +9,15 @@ settings run in their own interpreter (see ``scenarios.py``).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from attnhost_vllm_cpu import use_cpu_environment
+
+use_cpu_environment()  # before anything imports vLLM
 sys.path.insert(0, str(Path(__file__).parent))
 
-import pytest
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,26 +28,9 @@ def vllm_plugins_loaded() -> None:
     load_general_plugins()
 
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-}
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A local model directory (config only): vLLM's config parsing needs no download and no weights."""
-    import json
+    from attnhost_vllm_cpu.config import write_tiny_model
 
-    model = Path(tmp_path_factory.mktemp("tiny-llama"))
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(model)
+    return write_tiny_model(Path(tmp_path_factory.mktemp("tiny-llama")))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import make_case
+from attnhost_vllm_cpu.kit import make_case
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention

@@ -1,72 +1,35 @@
-"""The adapter's forward equals a float64 reference on vLLM's own metadata and KV cache, for every shape of batch.
+"""The adapter on vLLM's own metadata and KV cache: what the engine kit's forward matrix does not cover.
 
-Each case: vLLM's KV cache (``allocate_kv_cache``, LBNHC) with the cached
-prefixes written through its logical view, vLLM's ``CommonAttentionMetadata``
-(int32 block table over shuffled blocks, int64 slot mapping, padded token
-rows), the metadata built by the adapter's own builder, and two layers run
-through the adapter's impl into vLLM's ``output`` tensor. Checked: the output
-against float64 attention over each request's whole sequence, and the new
-tokens' K/V read back from vLLM's cache where ``slot_mapping`` put them.
+The matrix itself (prefill, decode, mixed and prefix-cached batches, MHA/GQA/MQA,
+block sizes 1/4/16, every declared dtype, every KV-cache layout, against a
+float64 reference) is the shipped engine kit's ``test_forward``
+(``attnhost_vllm_cpu.suite``), run for the project's backends by
+``test_engine_kit.py`` through ``pytest --attnhost-engine vllm``. Here, with
+the kit's own batch builders (``attnhost_vllm_cpu.kit``) and forward
+(``attnhost_vllm_cpu.forward``): bfloat16 over blocks handed out in order,
+head size 128 with large blocks, that the KV buffers are vLLM's memory, and
+that every builder gets its own backend.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from kit import Case, make_case
+from attnhost_vllm_cpu.forward import BATCHES, forward, problem
+from attnhost_vllm_cpu.kit import Case, make_case
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
-BATCHES = {
-    "prefill": [(0, 7), (0, 1), (0, 12)],
-    "decode": [(5, 1), (17, 1), (1, 1), (40, 1)],
-    "mixed": [(9, 1), (0, 6), (21, 1), (13, 5)],
-    "prefix_cached": [(16, 4), (8, 9), (33, 2)],
-}
-SHAPES = [(4, 4), (8, 2), (4, 1)]  # (heads, kv_heads): MHA, GQA, MQA
-BLOCK_SIZES = [1, 4, 16]
 
 
-def run(name: str, case: Case, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Build the metadata with the adapter's builder, run every layer through its impl, return vLLM's outputs."""
+def check(name: str, case: Case, dtype: torch.dtype, atol: float) -> None:
+    """The kit's forward and check for one backend; the kit's one-line message on failure."""
+    before = [cache.clone() for cache in case.caches]
     cls = AttentionBackendEnum[name.upper()].get_class()
-    spec = case.spec
-    builder = cls.get_builder_cls()(spec, [f"layer.{i}" for i in range(len(case.caches))], VllmConfig(), "cpu")
-    metadata = builder.build(0, case.metadata)
-    outputs = []
-    for layer, cache in enumerate(case.caches):
-        impl = cls.get_impl_cls()(
-            case.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
-            None, None, "auto", None, AttentionType.DECODER, None,
-        )  # fmt: skip
-        q, k, v = case.layer_inputs(layer, dtype)
-        output = torch.full((q.shape[0], case.num_heads, spec.head_size), float("nan"), dtype=dtype)
-        returned = impl.forward(None, q, k, v, cache, metadata, output=output)
-        assert returned is output
-        outputs.append(output)
-    return outputs
-
-
-def check(case: Case, outputs: list[torch.Tensor], atol: float) -> None:
-    n = case.num_tokens
-    for layer, output in enumerate(outputs):
-        torch.testing.assert_close(output[:n].double(), case.reference(layer), atol=atol, rtol=atol)
-        for r in case.requests:
-            for p in range(r.prefix, r.seq):
-                k, v = case.cached(layer, r, p)
-                torch.testing.assert_close(k.double(), r.k[layer][p], atol=0, rtol=0)
-                torch.testing.assert_close(v.double(), r.v[layer][p], atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize(("heads", "kv_heads"), SHAPES)
-@pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("name", BACKENDS)
-def test_forward_matches_float64_reference(name: str, batch: str, heads: int, kv_heads: int, block_size: int) -> None:
-    case = make_case(BATCHES[batch], block_size=block_size, num_heads=heads, num_kv_heads=kv_heads)
-    check(case, run(name, case), atol=2e-5)
+    found = problem(case, forward(cls, case, dtype, name), before, atol)
+    assert found is None, f"{name}: {found}"
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -75,12 +38,12 @@ def test_bfloat16_and_contiguous_blocks(name: str) -> None:
     case = make_case(
         BATCHES["mixed"], block_size=16, num_heads=8, num_kv_heads=2, dtype=torch.bfloat16, shuffle_blocks=False
     )
-    check(case, run(name, case, torch.bfloat16), atol=2e-2)
+    check(name, case, torch.bfloat16, atol=2e-2)
 
 
 def test_head_size_128_large_blocks() -> None:
     case = make_case([(70, 1), (0, 40), (100, 3)], block_size=32, num_heads=4, num_kv_heads=2, head_size=128)
-    check(case, run("torch_native", case), atol=2e-5)
+    check("torch_native", case, torch.float32, atol=2e-5)
 
 
 def test_kv_views_are_vllms_memory() -> None:

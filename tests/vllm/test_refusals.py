@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kit import BATCHES_DECODE, make_case
+from attnhost_vllm_cpu.kit import BATCHES_DECODE, make_case
 from vllm.config import VllmConfig
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType

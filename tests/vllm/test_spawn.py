@@ -9,45 +9,20 @@ carry a value that registers attnhost's backends while it is unpickled.
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import pickle
 from typing import Any
 
 import pytest
-import spawn_child
-from vllm.engine.arg_utils import EngineArgs
-from vllm.utils.argparse_utils import FlexibleArgumentParser
+from attnhost_vllm_cpu.config import engine_config as vllm_engine_config
+from attnhost_vllm_cpu.spawn import spawned
+from attnhost_vllm_cpu.spawn_child import report
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-
-def spawned(target: Any, *args: Any) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    process = ctx.Process(target=target, args=(*args, queue))
-    process.start()
-    try:
-        result: dict[str, Any] = queue.get(timeout=240)
-    finally:
-        process.join(timeout=60)
-    assert process.exitcode == 0
-    return result
 
 
 @pytest.fixture(scope="module")
 def engine_config(tiny_model: str) -> Any:
     """A VllmConfig built the way `vllm serve` builds it: vLLM's own parser, EngineArgs, create_engine_config."""
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    args = parser.parse_args(
-        [
-            "--model", tiny_model, "--skip-tokenizer-init", "--max-model-len", "256",
-            "--attention-backend", "torch_native",
-            "--speculative-config",
-            json.dumps({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                        "attention_backend": "tiny"}),
-        ]
-    )  # fmt: skip
-    return EngineArgs.from_cli_args(args).create_engine_config()
+    return vllm_engine_config(tiny_model, "torch_native", draft_backend="tiny")
 
 
 def test_cli_resolves_to_the_adapter_classes(engine_config: Any) -> None:
@@ -68,7 +43,7 @@ def child_report(engine_config: Any) -> dict[str, Any]:
         # the plain way every out-of-tree backend registers today: a str class path
         register_backend(PROBE, "attnhost_tiny.TinyAttnBackend")
     names = ("TINY", "BATCHED_MATMUL", "TORCH_NATIVE", PROBE)
-    return spawned(spawn_child.report, engine_config, [pickle.dumps(AttentionBackendEnum[name]) for name in names])
+    return spawned(report, engine_config, [pickle.dumps(AttentionBackendEnum[name]) for name in names])
 
 
 def test_spawned_engine_process_gets_the_backends(child_report: dict[str, Any]) -> None:

