@@ -44,7 +44,10 @@ def test_the_core_has_no_import_circle() -> None:
     def visit(name: str, trail: list[str]) -> None:
         for imported in sorted(graph.get(name, ())):
             if imported in trail:
-                circles.append(" -> ".join([*trail[trail.index(imported) :], imported]))
+                circle = trail[trail.index(imported) :]
+                first = circle.index(min(circle))  # one spelling per circle, wherever the walk entered it
+                circle = circle[first:] + circle[:first]
+                circles.append(" -> ".join([*circle, circle[0]]))
             elif imported not in done:
                 visit(imported, [*trail, imported])
         done.add(name)
@@ -53,9 +56,13 @@ def test_the_core_has_no_import_circle() -> None:
     for name in sorted(graph):
         if name not in done:
             visit(name, [name])
-    # vLLM unpickles a config in a spawned child before any plugin loads: names.restore must register there
-    lazy = {"attnhost.engines.vllm.bridge -> attnhost.engines.vllm.adapter -> attnhost.engines.vllm.names -> "
-            "attnhost.engines.vllm.bridge"}  # fmt: skip
+    # vLLM unpickles a config in a spawned child before any plugin loads: names.restore must register there,
+    # so it imports the bridge in its body (both circles below go through that one import)
+    lazy = {
+        "attnhost.engines.vllm.adapter -> attnhost.engines.vllm.names -> attnhost.engines.vllm.bridge -> "
+        "attnhost.engines.vllm.adapter",
+        "attnhost.engines.vllm.bridge -> attnhost.engines.vllm.names -> attnhost.engines.vllm.bridge",
+    }
     assert [circle for circle in circles if circle not in lazy] == [], circles
 
 
