@@ -1,7 +1,6 @@
 """Whether a backend can run here, and if not, why — decided without importing it.
 
-``attnhost list`` shows this for every backend and ``ModelRunner`` refuses an
-unavailable one with the same reason, so the two never disagree.
+``attnhost list`` and ``ModelRunner``'s refusal give the same reason, so the two never disagree.
 """
 
 from __future__ import annotations

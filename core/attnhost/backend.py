@@ -1,7 +1,6 @@
 """The contract every attention backend implements, and the layer it is called for.
 
-No module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay
-for torch.
+No torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay for torch.
 """
 
 from __future__ import annotations
@@ -154,12 +153,10 @@ _handed_out_lock = threading.Lock()
 def build_backend(
     factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
 ) -> AttentionBackend:
-    """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
+    """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin).
 
-    A factory handing one instance to two runners (a cached singleton, say) makes the target run the draft's
-    backend (SGLang #28559), so the second hand-out is refused. Whatever it raises, ``SystemExit`` included, becomes
-    a ``BackendUnavailableError``: it is other people's code in a server's start-up. ``where`` names runner, backend
-    and plugin; ``way_out`` ends a factory-failure message; ``owner`` is whom to report a broken contract to.
+    One instance handed to two runners (a cached singleton) would make the target run the draft's backend (SGLang
+    #28559), so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included, is wrapped.
     """
     try:
         backend = factory(runner)

@@ -11,9 +11,7 @@ window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry
 group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom finder on
 ``sys.meta_path`` (then no cache is used); (e) a cache file rewritten to leave out both a plugin's rows and its
 ``METADATA`` from the plan hides that plugin (it can hide, never add: each row is checked by :func:`chosen`).
-The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group
-or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600``
-whatever the umask; else ignored, with one debug line.
+A cache file or directory that is not the user's alone is ignored (:func:`read_cache`), with one debug line.
 """
 
 from __future__ import annotations
@@ -262,14 +260,13 @@ def _stat(path: str) -> os.stat_result | None:
 
 def key(ident: str, path: list[str], plan: Plan) -> tuple[str, int]:
     """The key's digest as the disk is now, statting what *plan* names, and the newest time among those stats."""
-    sigs: list[tuple[int, ...] | None] = []
-    for entry, names in zip(path, plan, strict=True):
-        paths = [entry or ".", *[f"{entry or '.'}/{name}" for name in names]]
-        try:  # a hit stats every distribution: in one comprehension while nothing is missing
-            stats: list[os.stat_result | None] = [os.stat(name) for name in paths]
-        except (OSError, ValueError):
-            stats = list(map(_stat, paths))
-        sigs += [st and (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
+    targets = (
+        f"{entry or '.'}/{name}" if name else entry or "."
+        for entry, names in zip(path, plan, strict=True)
+        for name in ("", *names)
+    )
+    stats = map(_stat, targets)
+    sigs = [st and (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
     newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
     # marshal version 2 writes no back-references: equal values, equal bytes
     return _hash(marshal.dumps((ident, sigs), 2)), newest

@@ -1,8 +1,8 @@
 """The token-slot KV cache and the per-forward batch that attention backends read.
 
-Modelled on SGLang with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and
-``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` mirrors its lengths as ints, so
-per-layer code never syncs with the device for a shape. Imports torch: keep it off plugin discovery's path.
+SGLang's with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and ``req_to_token``
+maps (request slot, position) to it. A ``ForwardBatch`` mirrors its lengths as ints, so per-layer code never
+syncs with the device for a shape.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """``ServerArgs``: the immutable attention settings, validated against the frozen registry.
 
-Building the first one freezes the registry: its values were checked against
-the choices, so the choices must not move. Args are never written after
-construction — SGLang #28559 was a runner writing into shared args.
+Building the first one freezes the registry: its values were checked against the choices, so the choices must not
+move. Args are never written after construction — SGLang #28559 was a runner writing into shared args.
 """
 
 from __future__ import annotations
@@ -64,12 +63,8 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add SGLang's attention flags; choices come from every installed plugin.
-
-        The parser holds a copy of the choices, so this freezes the registry: a
-        later registration raises ``RegistryFrozenError`` instead of leaving the
-        parser to reject the new name.
-        """
+        """Add SGLang's attention flags, their choices from every installed plugin; the parser holds a copy of
+        them, so this freezes the registry (a later registration raises instead of the parser rejecting it)."""
         registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
         targets = _offer(registry, registry.names())
         drafts = _offer(registry, registry.names("draft")) or "none"
