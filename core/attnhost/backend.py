@@ -106,12 +106,10 @@ class AttentionLayer:
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide).
-
-    Built as ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the
-    runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
-    #28559). A subclass implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``).
-    """
+    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide). Built as
+    ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the runner stamps its
+    two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang #28559). A subclass
+    implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``)."""
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
@@ -153,11 +151,9 @@ _handed_out_lock = threading.Lock()
 def build_backend(
     factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
 ) -> AttentionBackend:
-    """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin).
-
-    One instance handed to two runners (a cached singleton) would make the target run the draft's backend (SGLang
-    #28559), so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included, is wrapped.
-    """
+    """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin). One
+    instance handed to two runners (a cached singleton) would make the target run the draft's backend (SGLang #28559),
+    so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included, is wrapped."""
     try:
         backend = factory(runner)
     except (Exception, SystemExit) as exc:

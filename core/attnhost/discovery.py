@@ -206,12 +206,10 @@ def way_out(info: PluginInfo) -> str:
 def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
 ) -> list[PluginInfo]:
-    """Register the built-in, then import and register the entry points the settings allow; every plugin found.
-
-    The built-in is attnhost's own code: registered first under every setting, as the attnhost imported here,
-    whatever metadata claims its name. An entry point naming its very module (a stale egg-info, a second install)
-    is that same declaration: nothing to load or report; any other named ``builtin`` is a collision.
-    """
+    """Register the built-in, then import and register the entry points the settings allow; every plugin found. The
+    built-in is attnhost's own code: registered first under every setting, as the attnhost imported here, whatever
+    metadata claims its name. An entry point naming its very module (a stale egg-info, a second install) is that same
+    declaration: nothing to load or report; any other named ``builtin`` is a collision."""
     own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]

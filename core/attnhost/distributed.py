@@ -144,11 +144,9 @@ def check_ranks_agree(
     runners: Sequence[RunnerRow] | None = None,
     error: str | None = None,
 ) -> tuple[RankFingerprint, ...]:
-    """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree.
-
-    An engine bridge passes ``runners`` (what its model runners resolved, compared instead of resolving ``args``)
-    and ``error`` (this rank's failure to build them, sent rather than skipping the collective).
-    """
+    """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree. An engine bridge
+    passes ``runners`` (what its model runners resolved, compared instead of resolving ``args``) and ``error`` (this
+    rank's failure to build them, sent rather than skipping the collective)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

@@ -246,9 +246,17 @@ def cache_file(ident: str) -> str | None:
     return None
 
 
-def _is_metadata_dir(name: str) -> bool:
-    low = name.lower()
-    return low.endswith(_SUFFIXES) or low == "egg-info"
+def _metadata_dirs(entry: str) -> list[str]:
+    """The metadata directories of a path entry in listing order, as ``importlib_metadata`` finds them (none in what
+    is not a directory; an ``egg-info`` outside a ``*.egg`` too, which it then does not read)."""
+    try:
+        listing = os.listdir(entry or ".")
+    except (OSError, ValueError):
+        return []
+    lows = "\n".join(listing).lower().split("\n")  # no call per name: a hit lists every distribution
+    if len(lows) != len(listing):  # a name with a line break in it, or none at all
+        lows = [name.lower() for name in listing]
+    return [name for name, low in zip(listing, lows, strict=True) if low.endswith(_SUFFIXES) or low == "egg-info"]
 
 
 def _stat(path: str) -> os.stat_result | None:
@@ -276,12 +284,8 @@ def survey(ident: str, path: list[str], group: str) -> tuple[str, int, Plan]:
     """:func:`key` with the plan it is for, taken before ``importlib_metadata`` reads."""
     plan: Plan = []
     for entry in path:
-        try:
-            children = [child for child in os.listdir(entry or ".") if _is_metadata_dir(child)]
-        except (OSError, ValueError):  # not a directory: importlib_metadata finds none there either
-            children = []
         names: list[str] = []
-        for child in children:
+        for child in _metadata_dirs(entry):
             found = [child, f"{child}/entry_points.txt"]
             if group in (read_entry_points_text(entry, child) or ""):
                 found += [f"{child}/METADATA", f"{child}/PKG-INFO"]
@@ -322,9 +326,7 @@ def _read(path: str, limit: int, own: bool = False) -> bytes:
 
 
 def read_entry_points_text(entry: str, name: str) -> str | None:
-    """``<entry>/<name>/entry_points.txt`` as text (:func:`declared` splits its lines), if *name* is a metadata dir."""
-    if not _is_metadata_dir(name) or os.sep in name or (os.altsep or os.sep) in name:
-        return None
+    """``<entry>/<name>/entry_points.txt`` as text (:func:`declared` splits its lines), or ``None``."""
     try:
         return _read(os.path.join(entry, name, "entry_points.txt"), MAX_TEXT_BYTES).decode()
     except (OSError, ValueError):
@@ -385,15 +387,7 @@ def chosen(path: list[str], plan: Plan, rows: list[Row], group: str) -> bool:
     first: dict[str | None, tuple[int, str]] = {}
     keyed: set[tuple[int, str]] = set()  # the directories whose entry_points.txt mentions the group
     for idx in reversed(range(len(plan))):  # an earlier path entry overwrites a later one's: the first wins
-        entry, names = path[idx], plan[idx]
-        try:
-            listing = os.listdir(entry or ".")
-        except (OSError, ValueError):  # not a directory: importlib_metadata finds none there either
-            listing = []
-        lows = "\n".join(listing).lower().split("\n")  # no call per name: a hit runs this over every distribution
-        if len(lows) != len(listing):  # a name with a line break in it
-            lows = [name.lower() for name in listing]
-        found = [name for name, low in zip(listing, lows, strict=True) if low.endswith(_SUFFIXES) or low == "egg-info"]
+        entry, names, found = path[idx], plan[idx], _metadata_dirs(path[idx])
         children = [name for name in names if "/" not in name]
         if len(children) != len(found) or set(children) != set(found):
             ignored(f"its plan does not list the metadata directories of {entry!r}")

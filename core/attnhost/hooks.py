@@ -39,10 +39,8 @@ class AttnhostHookSpecs:
 
     @_hookspec(firstresult=True)
     def attnhost_draft_fallback(self, platform: str) -> str | None:
-        """Return the draft backend to fall back to on ``platform``, or None to let others answer.
-
-        The built-in plugin answers last: ``triton`` on ROCm, ``flashinfer`` elsewhere.
-        """
+        """Return the draft backend to fall back to on ``platform``, or None to let others answer. The built-in plugin
+        answers last: ``triton`` on ROCm, ``flashinfer`` elsewhere."""
         raise NotImplementedError
 
     @_hookspec(firstresult=True)
@@ -55,11 +53,9 @@ HOOK_NAMES: tuple[str, ...] = tuple(name for name in vars(AttnhostHookSpecs) if 
 
 
 def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str, default: Any, **kwargs: Any) -> Any:
-    """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook.
-
-    One plugin at a time, so that an exception or a bad answer is blamed on that plugin alone and the trace can
-    say who answered; called as pluggy calls it, with the subset of the hook's arguments it takes.
-    """
+    """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook. One plugin
+    at a time, so that an exception or a bad answer is blamed on that plugin alone and the trace can say who answered;
+    called as pluggy calls it, with the subset of the hook's arguments it takes."""
     plugin = pm.get_plugin(plugin_name)
     impls = getattr(pm.hook, hook_name).get_hookimpls()
     impl = next((i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper)), None)
@@ -87,12 +83,10 @@ _saved_stdout: Any = None
 
 @contextlib.contextmanager
 def plugin_output() -> Iterator[None]:
-    """Run plugin code (an import, a hook, a factory's import) with what it prints sent to stderr.
-
-    stdout is the program's own output (``attnhost list --json`` must stay valid JSON). Unlike
-    ``contextlib.redirect_stdout`` this is safe across threads, and the last of nested or overlapping uses
-    restores the real stdout (undoing any replacement a plugin made).
-    """
+    """Run plugin code (an import, a hook, a factory's import) with what it prints sent to stderr. stdout is the
+    program's own output (``attnhost list --json`` must stay valid JSON). Unlike ``contextlib.redirect_stdout`` this is
+    safe across threads, and the last of nested or overlapping uses restores the real stdout (undoing any replacement a
+    plugin made)."""
     global _stdout_users, _saved_stdout
     _in_plugin.depth = getattr(_in_plugin, "depth", 0) + 1
     with _stdout_lock:

@@ -197,11 +197,9 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
 
 
 def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
-    """Merge contributions in order into a registry; returns it and the final plugin records.
-
-    The first registration of a name wins, except that an implementation fills a declared-only name. Each collision
-    is noted on the plugin that lost, for the host to log once (the registry is rebuilt on every registration).
-    """
+    """Merge contributions in order into a registry; returns it and the final plugin records. The first registration of
+    a name wins, except that an implementation fills a declared-only name. Each collision is noted on the plugin that
+    lost, for the host to log once (the registry is rebuilt on every registration)."""
     entries: dict[str, BackendEntry] = {}
     aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
     notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the collisions it lost

@@ -56,13 +56,10 @@ def _as_tuple(value: str | Iterable[str] | None, what: str, spec_name: str) -> t
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """One attention backend as a plugin declares it.
-
-    ``factory``: ``"module:attr"`` (imported only by :meth:`load`), a callable, or ``None`` for a *declared-only*
-    name (a known choice whose implementation is not installed, reported as such instead of faked). ``platforms``
-    empty: any. ``requires``: the Python modules the kernels need; ``provided_by``: the pip distribution that
-    brings them, named in every "unavailable" error.
-    """
+    """One attention backend as a plugin declares it. ``factory``: ``"module:attr"`` (imported only by :meth:`load`), a
+    callable, or ``None`` for a *declared-only* name (a known choice whose implementation is not installed, reported as
+    such instead of faked). ``platforms`` empty: any. ``requires``: the Python modules the kernels need;
+    ``provided_by``: the pip distribution that brings them, named in every "unavailable" error."""
 
     name: str
     factory: Union[str, BackendFactory, None] = None  # noqa: UP007 - a runtime alias with a string part
