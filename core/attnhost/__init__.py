@@ -1,8 +1,5 @@
-"""attnhost: a plugin host for LLM attention backends, with SGLang's names and semantics.
-
-Every public name is imported lazily (PEP 562) from the one table below, which also makes ``__all__``:
-``import attnhost`` pulls in neither torch nor pluggy, as every serving worker and CLI call imports it.
-"""
+"""attnhost: a plugin host for LLM attention backends, with SGLang's names and semantics. Every public name is imported
+lazily (PEP 562) from the one table below: ``import attnhost`` pulls in neither torch nor pluggy."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""``python -m attnhost`` and the ``attnhost`` console script: the CLI as a program.
-
-A command lives for a moment and frees nothing worth collecting, so it runs without the cyclic garbage
-collector, and the collection at exit skips everything it loaded (BENCHMARKS.md).
-"""
+"""``python -m attnhost`` and the ``attnhost`` console script: a command lives for a moment and frees nothing worth
+collecting, so it runs without the cyclic collector, and the collection at exit skips what it loaded (BENCHMARKS.md)."""
 
 import gc
 

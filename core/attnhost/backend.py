@@ -1,7 +1,5 @@
-"""The contract every attention backend implements, and the layer it is called for.
-
-No torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay for torch.
-"""
+"""The contract every attention backend implements, and the layer it is called for: no torch import, as plugins
+subclass ``AttentionBackend`` at import time and discovery must not pay for torch."""
 
 from __future__ import annotations
 

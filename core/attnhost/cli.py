@@ -1,8 +1,5 @@
-"""The ``attnhost`` command: ``list``, ``resolve`` and ``plugins``.
-
-Operators read this output when a server picks the wrong kernel, so it shows where every backend came from and
-why each decision was made; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
-"""
+"""The ``attnhost`` command (``list``, ``resolve``, ``plugins``), read when a server picks the wrong kernel: so it
+shows where every backend came from and why each decision was made, and never a traceback (``ATTNHOST_DEBUG=1``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Turn installed entry points into registered pluggy plugins, one verdict (:class:`PluginInfo`) per plugin.
-
-A plugin is other people's code running at start-up, so nothing a plugin does here may escape as an exception:
-it becomes a ``failed`` record and one warning line naming the plugin, its distribution and the cause.
-"""
+"""Turn installed entry points into registered pluggy plugins, one verdict (:class:`PluginInfo`) per plugin: a plugin
+is other people's code running at start-up, so nothing it does here escapes as an exception; it becomes a ``failed``
+record and one warning line naming the plugin, its distribution and the cause."""
 
 from __future__ import annotations
 
@@ -239,14 +237,8 @@ def load_entry_points(
     for name in unknown[:MAX_NAMED]:  # the logger escapes plugin text in the names
         close = difflib.get_close_matches(name, found, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
-        shown, installed = bounded(repr(name)), bounded(", ".join(found), 1000)
-        logger.warning(
-            "%s names plugin %s, which is not installed; %s (installed plugins: %s)",
-            PLUGINS_ENV,
-            shown,
-            hint,
-            installed,
-        )
+        message = "%s names plugin %s, which is not installed; %s (installed plugins: %s)"
+        logger.warning(message, PLUGINS_ENV, bounded(repr(name)), hint, bounded(", ".join(found), 1000))
     if len(unknown) > MAX_NAMED:
         logger.warning("%s names %d more plugins that are not installed", PLUGINS_ENV, len(unknown) - MAX_NAMED)
     return plugins

@@ -346,9 +346,8 @@ def declared(text: str | None, group: str) -> set[tuple[str, str]]:
 
 
 def _dist_keys(entry: str, children: list[str]) -> list[str | None]:
-    """The names ``importlib_metadata`` files these metadata directories of *entry* under (its ``Lookup``),
-    normalized; None for an ``egg-info`` outside a ``*.egg``, which it does not read. No call per directory: a hit
-    runs this over every distribution."""
+    """The names ``importlib_metadata`` files these metadata directories of *entry* under (its ``Lookup``), normalized;
+    None for an ``egg-info`` outside a ``*.egg``, which it does not read. No call per name: every hit runs it."""
     egg = (
         _norm(os.path.basename(entry).rpartition(".")[0].partition("-")[0]) if entry.lower().endswith(".egg") else None
     )

@@ -1,8 +1,5 @@
-"""The pluggy hook specifications: the whole surface a plugin can implement.
-
-Importing this module imports pluggy, so ``attnhost/__init__`` exposes ``hookimpl`` lazily: a process that never
-loads plugins never pays for it. The spec marker stays private: plugins implement hooks, they do not add them.
-"""
+"""The pluggy hook specifications: the whole surface a plugin can implement (the spec marker stays private). It
+imports pluggy, so ``attnhost/__init__`` exposes ``hookimpl`` lazily: a process that loads no plugin never pays."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The process-wide plugin host: loads plugins once, builds the registry, freezes it.
-
-State flows one way — entry points → plugin manager → registry → frozen — and this module owns every step, behind
-one lock, so threads, forks and repeated calls all see plugins loaded exactly once per process.
-"""
+"""The process-wide plugin host: it owns every step of entry points → plugin manager → registry → frozen, behind one
+lock, so threads, forks and repeated calls all see plugins loaded exactly once per process."""
 
 from __future__ import annotations
 
@@ -139,8 +136,7 @@ class PluginHost:
         finally:
             self._building = False
         registry, plugins = build_registry(contributions)
-        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it,
-        # and its failure replaces its loaded record (a duplicate row of the same name keeps its own).
+        # A plugin whose hook failed leaves the manager (no later hook call asks it); its failure replaces its record
         for before, after in zip(records, plugins, strict=True):
             if before.status is not PluginStatus.LOADED or after.status is not PluginStatus.FAILED:
                 continue

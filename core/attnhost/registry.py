@@ -1,8 +1,6 @@
-"""The registry: every backend name, its aliases, roles and provenance, immutable once built.
-
-Rebuilt on each registration before the freeze, never changed after it; outside code sees only read-only views,
-so nobody can corrupt it the way SGLang's module-level lists could be.
-"""
+"""The registry: every backend name, its aliases, roles and provenance, rebuilt on each registration before the
+freeze and never changed after it; outside code sees only read-only views, so nobody can corrupt it the way SGLang's
+module-level lists could be."""
 
 from __future__ import annotations
 
@@ -258,8 +256,7 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
             elif not owner.draft:
                 entries[owner.name] = replace(owner, draft=True)
                 draft_order.append(owner.name)
-    # A record that is not a contribution (not loaded, failed, a duplicate) contributed nothing, even when a
-    # loaded plugin of another distribution has the same name (the books above are keyed by plugin name).
+    # A record that is not a contribution contributed nothing, even when a loaded plugin has the same name
     plugins = [
         replace(
             item.plugin,

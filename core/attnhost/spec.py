@@ -1,8 +1,5 @@
-"""``BackendSpec``: what a plugin says about one attention backend, without importing it.
-
-Pure data plus a *lazy* factory reference, so discovery and the CLI can list, validate and explain every backend
-of every installed plugin without paying for (or crashing on) its kernels. Only ``load()`` imports.
-"""
+"""``BackendSpec``: what a plugin says about one attention backend, pure data plus a *lazy* factory reference, so
+discovery and the CLI can list, validate and explain every backend without paying for (or crashing on) its kernels."""
 
 from __future__ import annotations
 
