@@ -6,8 +6,6 @@ import ast
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).parents[1]
 CORE = ROOT / "core" / "attnhost"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
