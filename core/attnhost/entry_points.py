@@ -259,21 +259,26 @@ def _metadata_dirs(entry: str) -> list[str]:
     return [name for name, low in zip(listing, lows, strict=True) if low.endswith(_SUFFIXES) or low == "egg-info"]
 
 
-def _stat(path: str) -> os.stat_result | None:
+def _stat(path: str, dir_fd: int | None = None) -> os.stat_result | None:
     try:
-        return os.stat(path)
+        return os.stat(path, dir_fd=dir_fd)
     except (OSError, ValueError):
         return None
 
 
 def key(ident: str, path: list[str], plan: Plan) -> tuple[str, int]:
     """The key's digest as the disk is now, statting what *plan* names, and the newest time among those stats."""
-    targets = (
-        f"{entry or '.'}/{name}" if name else entry or "."
-        for entry, names in zip(path, plan, strict=True)
-        for name in ("", *names)
-    )
-    stats = map(_stat, targets)
+    stats: list[os.stat_result | None] = []
+    for entry, names in zip(path, plan, strict=True):
+        try:  # names resolved from the open path entry: a hit stats every distribution
+            fd = os.open(entry or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (OSError, ValueError):  # not a directory (a zip, nothing), so nothing under it either
+            stats += [_stat(entry or "."), *[None] * len(names)]
+            continue
+        try:
+            stats += [os.fstat(fd), *[_stat(name, fd) for name in names]]
+        finally:
+            os.close(fd)
     sigs = [st and (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
     newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
     # marshal version 2 writes no back-references: equal values, equal bytes
@@ -364,9 +369,9 @@ def _norm(name: str) -> str:
     return name
 
 
-def _named(entry: str, child: str, dist: str) -> bool:
-    """Whether the directory's ``Name`` is *dist*: read only when its own name does not already say so."""
-    if _norm(dist) == _dist_keys(entry, [child])[0]:
+def _named(entry: str, child: str, dist: str, dist_key: str) -> bool:
+    """Whether the directory's ``Name`` is *dist*: read only when its own name (*dist_key*) does not already say so."""
+    if _norm(dist) == dist_key:
         return True
     for meta in ("METADATA", "PKG-INFO"):  # the order importlib_metadata reads them in
         try:
@@ -394,8 +399,7 @@ def chosen(path: list[str], plan: Plan, rows: list[Row], group: str) -> bool:
         keyed.update((idx, name.partition("/")[0]) for name in names if name.endswith(("/METADATA", "/PKG-INFO")))
         found.reverse()  # a later directory of a name is overwritten by an earlier one too
         first.update(zip(_dist_keys(entry, found), ((idx, name) for name in found), strict=True))
-    first.pop(None, None)
-    firsts = keyed & set(first.values())
+    firsts = {where: dist_key for dist_key, where in first.items() if where in keyed and dist_key is not None}
     got: dict[tuple[int, str], set[tuple[str, str]]] = {}
     for name, value, dist, _, idx, child in rows:
         got.setdefault((idx, child), set()).add((name, value))
@@ -403,7 +407,7 @@ def chosen(path: list[str], plan: Plan, rows: list[Row], group: str) -> bool:
             why = f"is not the first metadata directory of {dist!r} on the path"
             ignored(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare: it {why}")
             return False
-        if not _named(path[idx], child, dist):
+        if not _named(path[idx], child, dist, firsts[idx, child]):
             ignored(f"it holds entry point {name!r} of {dist!r}, which {path[idx]}/{child} does not declare (its Name)")
             return False
     for idx, child in firsts:
