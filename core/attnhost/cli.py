@@ -103,9 +103,8 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     plugins = default_host().plugins()
     if args.json:
         return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
-    table = [["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
-    if width is None:
-        table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]]
+    every = ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]
+    table = [every if width is None else ["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
     reasons: dict[str, int] = {}
     for row in rows:
         aliases = f" ({', '.join(row['aliases'])})" if row["aliases"] else ""
@@ -238,10 +237,7 @@ def _cmd_resolve(args: argparse.Namespace, width: int | None) -> list[str] | dic
 
 
 _ENVIRONMENT = (
-    (
-        settings.PLUGINS_ENV,
-        "comma-separated plugin names: load only these third-party plugins (the built-ins always load)",
-    ),
+    (settings.PLUGINS_ENV, "comma-separated names: load only these third-party plugins (the built-ins always load)"),
     (settings.DISABLE_AUTOLOAD_ENV, "1: load only the built-in plugin"),
     (settings.STRICT_ENV, "1: a plugin that fails to load is an error (exit 1), not a warning"),
     (settings.PLATFORM_ENV, "cuda, rocm, xpu, npu, mps or cpu: the platform, instead of detecting it"),

@@ -312,14 +312,15 @@ def _check(what: str, st: os.stat_result | None = None) -> None:
 
 
 def _read(path: str, limit: int, own: bool = False) -> bytes:
-    """A regular file's bytes, opened without blocking; if *own*, not through a symlink and only the user's."""
+    """At most *limit* bytes of a file, opened and read without blocking (a FIFO reads as empty); if *own*, a regular
+    file, not through a symlink and only the user's."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if own else 0))
     try:
-        st = os.fstat(fd)
         if own:
+            st = os.fstat(fd)
             _check(path, st)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
         data = b""
         while chunk := os.read(fd, limit + 1 - len(data)):
             data += chunk
