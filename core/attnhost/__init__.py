@@ -1,10 +1,5 @@
-"""attnhost: a plugin host for LLM attention backends, with SGLang's names and semantics.
-
-Every public name is imported lazily (PEP 562) from the one table below, which
-also makes ``__all__``: ``import attnhost`` pulls in neither torch nor pluggy,
-because every serving worker and every CLI call imports it, and most need only
-a fraction.
-"""
+"""attnhost: a plugin host for LLM attention backends, with SGLang's names and semantics. Every public name is imported
+lazily (PEP 562) from the one table below: ``import attnhost`` pulls in neither torch nor pluggy."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""``python -m attnhost`` and the ``attnhost`` console script: the CLI as a program.
-
-A command lives for a moment and frees nothing worth collecting, so the program runs without the cyclic
-garbage collector from its first import on, and lets the collection at exit skip everything it loaded
-(BENCHMARKS.md). :func:`attnhost.cli.main` itself leaves the collector alone, for in-process callers.
-"""
+"""``python -m attnhost`` and the ``attnhost`` console script: a command lives for a moment and frees nothing worth
+collecting, so it runs without the cyclic collector, and the collection at exit skips what it loaded (BENCHMARKS.md)."""
 
 import gc
 

@@ -1,8 +1,5 @@
-"""Whether a backend can run here, and if not, why — decided without importing it.
-
-``attnhost list`` shows this for every backend and ``ModelRunner`` refuses an
-unavailable one with the same reason, so the two never disagree.
-"""
+"""Whether a backend can run here, and if not, why — decided without importing it, so that ``attnhost list`` and
+``ModelRunner``'s refusal give the same reason."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
     """Available means: implemented, meant for ``platform``, and its modules importable."""
     spec = entry.spec
     if not spec.implemented:
-        # What is missing is a plugin implementing the name; the kernels' distribution is named as what such
-        # a plugin builds on, never as something to install (torch is installed, yet flex_attention is not).
+        # missing is a plugin implementing it, not the kernels' distribution (torch is here, flex_attention is not)
         summary = "declared only: no installed plugin implements it"
         builds_on = f" (a plugin would build it on {printable(spec.provided_by)})" if spec.provided_by else ""
         return Availability(False, summary + builds_on, summary)

@@ -1,8 +1,5 @@
-"""The contract every attention backend implements, and the layer it is called for.
-
-No module-level torch import: plugins subclass ``AttentionBackend`` at import time, and discovery must not pay
-for torch.
-"""
+"""The contract every attention backend implements, and the layer it is called for: no torch import, as plugins
+subclass ``AttentionBackend`` at import time and discovery must not pay for torch."""
 
 from __future__ import annotations
 
@@ -107,12 +104,10 @@ class AttentionLayer:
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide).
-
-    Built as ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the
-    runner stamps its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang
-    #28559). A subclass implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``).
-    """
+    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide). Built as
+    ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the runner stamps its
+    two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang #28559). A subclass
+    implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``)."""
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
@@ -154,13 +149,9 @@ _handed_out_lock = threading.Lock()
 def build_backend(
     factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
 ) -> AttentionBackend:
-    """``factory(runner)``, under the rules every runner's backend obeys, each refusal a clear error.
-
-    A factory handing one instance to two runners (a cached singleton, say) makes the target run the draft's
-    backend (SGLang #28559), so the second hand-out is refused. Whatever it raises, ``SystemExit`` included, becomes
-    a ``BackendUnavailableError``: it is other people's code in a server's start-up. ``where`` names runner, backend
-    and plugin; ``way_out`` ends a factory-failure message; ``owner`` is whom to report a broken contract to.
-    """
+    """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin). One
+    instance handed to two runners (a cached singleton) would make the target run the draft's backend (SGLang #28559),
+    so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included, is wrapped."""
     try:
         backend = factory(runner)
     except (Exception, SystemExit) as exc:

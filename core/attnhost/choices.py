@@ -1,9 +1,8 @@
 """SGLang's registration API (``add_*_attention_backend_choices``) and its read-only lists.
 
-In SGLang these were mutable module-level lists: registering after argument
-parsing was silently ignored, and anyone could ``.remove()`` a choice. Here
-the functions raise ``RegistryFrozenError`` once a ``ServerArgs`` exists, and
-the "lists" are live read-only views of the registry.
+In SGLang these were mutable module-level lists: registering after argument parsing was silently ignored, and
+anyone could ``.remove()`` a choice. Here the functions raise ``RegistryFrozenError`` once a ``ServerArgs``
+exists, and the "lists" are live read-only views of the registry.
 """
 
 from __future__ import annotations
@@ -14,13 +13,8 @@ from typing import NoReturn, overload
 from attnhost.host import default_host, get_registry
 from attnhost.registry import Role
 
-__all__ = [
-    "ATTENTION_BACKEND_CHOICES",
-    "DRAFT_ATTENTION_BACKEND_CHOICES",
-    "BackendChoices",
-    "add_attention_backend_choices",
-    "add_draft_attention_backend_choices",
-]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "DRAFT_ATTENTION_BACKEND_CHOICES", "BackendChoices"]
+__all__ += ["add_attention_backend_choices", "add_draft_attention_backend_choices"]
 
 
 class BackendChoices(Sequence[str]):

@@ -1,9 +1,5 @@
-"""The ``attnhost`` command: ``list``, ``resolve`` and ``plugins``.
-
-Operators read this output when a server picks the wrong kernel, so it shows where every backend came from and
-why each decision was made. Bad input is one line on stderr and exit status 2; a strict-mode plugin failure is
-exit status 1; a traceback is never printed unless ``ATTNHOST_DEBUG=1``.
-"""
+"""The ``attnhost`` command (``list``, ``resolve``, ``plugins``), read when a server picks the wrong kernel: so it
+shows where every backend came from and why each decision was made, and never a traceback (``ATTNHOST_DEBUG=1``)."""
 
 from __future__ import annotations
 
@@ -107,9 +103,8 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     plugins = default_host().plugins()
     if args.json:
         return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
-    table = [["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
-    if width is None:
-        table = [["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]]
+    every = ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]
+    table = [every if width is None else ["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
     reasons: dict[str, int] = {}
     for row in rows:
         aliases = f" ({', '.join(row['aliases'])})" if row["aliases"] else ""
@@ -241,13 +236,8 @@ def _cmd_resolve(args: argparse.Namespace, width: int | None) -> list[str] | dic
     return lines
 
 
-# -- main ---------------------------------------------------------------------------------
-
 _ENVIRONMENT = (
-    (
-        settings.PLUGINS_ENV,
-        "comma-separated plugin names: load only these third-party plugins (the built-ins always load)",
-    ),
+    (settings.PLUGINS_ENV, "comma-separated names: load only these third-party plugins (the built-ins always load)"),
     (settings.DISABLE_AUTOLOAD_ENV, "1: load only the built-in plugin"),
     (settings.STRICT_ENV, "1: a plugin that fails to load is an error (exit 1), not a warning"),
     (settings.PLATFORM_ENV, "cuda, rocm, xpu, npu, mps or cpu: the platform, instead of detecting it"),
@@ -333,10 +323,7 @@ def _build_parser(argv: Sequence[str], width: int) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Run the CLI; returns the exit status instead of exiting, for tests and embedding.
-
-    While it runs, the ``attnhost`` logger writes only to ``err`` (``attnhost: warning: ...``); it is restored after.
-    """
+    """Run the CLI and return its exit status; meanwhile the ``attnhost`` logger writes only to ``err``."""
     is_program = argv is None
     if is_program:  # the process's own streams: in-process callers' streams are theirs
         for stream in (sys.stdout, sys.stderr):
@@ -374,8 +361,7 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
 
 def _write_failed(exc: OSError, out: TextIO, err: TextIO, is_program: bool) -> int:
     if is_program and out is sys.stdout:
-        # What Python's documentation recommends: point stdout at /dev/null, so the flush at exit
-        # finds nothing left to fail on.
+        # As Python's documentation recommends: stdout on /dev/null, so the flush at exit finds nothing to fail on
         with contextlib.suppress(OSError, ValueError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

@@ -1,8 +1,7 @@
 """The forward context: which runner's backend the current forward runs on.
 
-SGLang #28559's bug was a draft runner writing its backend into global args, so the target ran the draft's
-kernel. Here each runner enters its own context (a ``ContextVar``: right across threads, asyncio tasks and
-nesting); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index, allocating nothing.
+Each runner enters its own context (a ``ContextVar``: right across threads, asyncio tasks and nesting), never
+global args (SGLang #28559); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Turn installed entry points into registered pluggy plugins, one verdict (:class:`PluginInfo`) per plugin.
-
-A plugin is other people's code running at start-up, so nothing a plugin does
-here may escape as an exception: it becomes a ``failed`` record and one warning
-line naming the plugin, its distribution and the cause.
-"""
+"""Turn installed entry points into registered pluggy plugins, one verdict (:class:`PluginInfo`) per plugin: a plugin
+is other people's code running at start-up, so nothing it does here escapes as an exception; it becomes a ``failed``
+record and one warning line naming the plugin, its distribution and the cause."""
 
 from __future__ import annotations
 
@@ -134,13 +131,9 @@ class GuardedPluginManager(pluggy.PluginManager):
 
 
 def register_checked(pm: pluggy.PluginManager, obj: object, name: str) -> None:
-    """Register ``obj`` (a backend class as a :class:`ShorthandPlugin`) or raise :class:`PluginProblem`, pm untouched.
-
-    Besides pluggy's signature checks, it rejects per plugin what ``check_pending`` would only catch
-    globally (unknown hook names: typos), hook wrappers, and objects that implement no hook at all.
-    """
-    # Looked up, not imported: until some module imports attnhost.backend, no object can be
-    # one of its subclasses, and discovery need not pay for importing it.
+    """Register ``obj`` (a backend class as a :class:`ShorthandPlugin`) or raise :class:`PluginProblem`, pm untouched:
+    also what ``check_pending`` would only catch globally (unknown hooks: typos), wrappers, and no hook at all."""
+    # Looked up, not imported: until something imports attnhost.backend, nothing can be one of its subclasses
     base: type[AttentionBackend] | None = getattr(sys.modules.get("attnhost.backend"), "AttentionBackend", None)
     plugin = obj
     if base is not None and inspect.isclass(obj) and issubclass(obj, base):
@@ -211,15 +204,10 @@ def way_out(info: PluginInfo) -> str:
 def load_entry_points(
     pm: pluggy.PluginManager, records: Sequence[EntryPointRecord], settings: LoadSettings
 ) -> list[PluginInfo]:
-    """Register the built-in, then import and register the entry points the settings allow.
-
-    The built-in is attnhost's own code: registered directly, first, under every setting, with the
-    provenance of the attnhost imported here; no metadata stands for it, whatever name it claims. An entry
-    point naming its very module (attnhost's own, a stale egg-info in a checkout, a second install of
-    attnhost's metadata) is that same declaration: nothing to load or report. Any other entry point is a
-    third-party plugin under the settings, and one named ``builtin`` is a collision. Returns every plugin
-    found, in registration order. Never raises for a plugin's fault.
-    """
+    """Register the built-in, then import and register the entry points the settings allow; every plugin found. The
+    built-in is attnhost's own code: registered first under every setting, as the attnhost imported here, whatever
+    metadata claims its name. An entry point naming its very module (a stale egg-info, a second install) is that same
+    declaration: nothing to load or report; any other named ``builtin`` is a collision."""
     own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
     plugins = [taken[BUILTIN_PLUGIN]]
@@ -249,25 +237,16 @@ def load_entry_points(
     for name in unknown[:MAX_NAMED]:  # the logger escapes plugin text in the names
         close = difflib.get_close_matches(name, found, n=1)
         hint = f"did you mean {close[0]!r}?" if close else "check the spelling or install it"
-        shown, installed = bounded(repr(name)), bounded(", ".join(found), 1000)
-        logger.warning(
-            "%s names plugin %s, which is not installed; %s (installed plugins: %s)",
-            PLUGINS_ENV,
-            shown,
-            hint,
-            installed,
-        )
+        message = "%s names plugin %s, which is not installed; %s (installed plugins: %s)"
+        logger.warning(message, PLUGINS_ENV, bounded(repr(name)), hint, bounded(", ".join(found), 1000))
     if len(unknown) > MAX_NAMED:
         logger.warning("%s names %d more plugins that are not installed", PLUGINS_ENV, len(unknown) - MAX_NAMED)
     return plugins
 
 
 class _SlowImportWatch:
-    """A thread that names the plugin whose import runs past :data:`SLOW_IMPORT_WARNING_S`, once per import.
-
-    An import cannot be interrupted safely, so the host only says what it waits for. One thread serves
-    every import of a load (most loads import many plugins, none slow) and ends when idle for a second.
-    """
+    """A thread that names the plugin whose import runs past :data:`SLOW_IMPORT_WARNING_S` (an import cannot be
+    interrupted safely); one serves every import of a load, and ends when idle for a second."""
 
     def __init__(self) -> None:
         # Also the reset in a forked child, where the lock may have been held and the thread is gone.

@@ -1,11 +1,9 @@
 """Check that every rank of a ``torch.distributed`` group runs the same attention plugins and backends.
 
-Each rank of a tensor-parallel server discovers plugins from its own environment: one rank with another
-``ATTNHOST_PLUGINS``, an older wheel or a broken plugin would silently resolve another kernel and compute
-different attention. :func:`check_ranks_agree` raises the same :class:`RankMismatchError` on every rank when
-their fingerprints differ. It never hangs on a rank's own fault: a fingerprint cannot fail (a rank sends its
-error instead), so every rank reaches the one ``all_gather_object``; a rank that never calls is bounded by the
-group's timeout (:class:`RankCheckError`). ``torch`` is imported only by the check.
+Each rank discovers plugins from its own environment: one with another ``ATTNHOST_PLUGINS``, an older wheel or
+a broken plugin would silently compute different attention. It never hangs on a rank's own fault: a fingerprint
+cannot fail (a rank sends its error instead), so every rank reaches the one ``all_gather_object``; a rank that
+never calls is bounded by the group's timeout (:class:`RankCheckError`).
 """
 
 from __future__ import annotations
@@ -50,11 +48,8 @@ def _local_fingerprint(
     runners: Sequence[RunnerRow] | None = None,
     error: str | None = None,
 ) -> RankFingerprint:
-    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it).
-
-    With ``runners`` (an engine's model runners, as the engine resolved them) attnhost's own resolution is
-    not run: the engine's answer is the one that must agree.
-    """
+    """This process's fingerprint; never raises for a plugin's or an argument's fault (it records it). With
+    ``runners`` (as an engine resolved them) attnhost does not resolve: the engine's answer must agree."""
     host = default_host()
     plugins: tuple[PluginRow, ...] = ()
     resolved_platform: str | None = platform
@@ -149,13 +144,9 @@ def check_ranks_agree(
     runners: Sequence[RunnerRow] | None = None,
     error: str | None = None,
 ) -> tuple[RankFingerprint, ...]:
-    """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree.
-
-    An engine bridge passes ``runners`` (what its model runners resolved, compared instead of attnhost's
-    own resolution of ``args``) and ``error`` (this rank's failure to build them, sent rather than skipping
-    the collective). Raises the same :class:`RankMismatchError` on every rank when any differs,
-    :class:`RankCheckError` if the gather fails (a rank never joins before the group's timeout, say).
-    """
+    """Collective: every rank of ``group`` must call it; returns every rank's fingerprint if all agree. An engine bridge
+    passes ``runners`` (what its model runners resolved, compared instead of resolving ``args``) and ``error`` (this
+    rank's failure to build them, sent rather than skipping the collective)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():

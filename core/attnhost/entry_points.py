@@ -11,9 +11,7 @@ window; (c) an in-place edit of the ``METADATA`` of a distribution whose ``entry
 group and whose directory name carries no name, renaming it to shadow a plugin; (d) a custom finder on
 ``sys.meta_path`` (then no cache is used); (e) a cache file rewritten to leave out both a plugin's rows and its
 ``METADATA`` from the plan hides that plugin (it can hide, never add: each row is checked by :func:`chosen`).
-The file is used only if a regular file of at most :data:`MAX_CACHE_BYTES`, the user's and not writable by group
-or others, in a directory alike, opened with ``O_NOFOLLOW | O_NONBLOCK``; directory ``0700``, files ``0600``
-whatever the umask; else ignored, with one debug line.
+A cache file or directory that is not the user's alone is ignored (:func:`read_cache`), with one debug line.
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ __all__ += ["scan_stats"]
 RACY_WINDOW_NS = 3_000_000_000
 MAGIC = "attnhost-entry-points-cache\t2"
 MAX_CACHE_BYTES = 16 << 20
+_SUFFIXES = (".dist-info", ".egg-info")
 MAX_TEXT_BYTES = 1 << 20  # an entry_points.txt larger than this is not read (for the key or a hit's check)
 
 Plan = list[tuple[str, ...]]  # per path entry, the names under it (child or child/file) in the key
@@ -98,11 +97,8 @@ class EntryPointRecord(tuple[str, str, str, str, str, str, str]):
 
 
 def normalize_name(name: str) -> str:
-    """PEP 503 normalisation: lower case, runs of ``-_.`` become one ``-`` (no ``re`` import)."""
-    s = name.lower().replace("_", "-").replace(".", "-")
-    while "--" in s:
-        s = s.replace("--", "-")
-    return s
+    """PEP 503 normalisation: lower case, runs of ``-_.`` become one ``-``."""
+    return _norm(name).replace("_", "-")
 
 
 def scan_stats() -> dict[str, int]:
@@ -163,7 +159,7 @@ def _verified(stored: Stored, ident: str, group: str, path: list[str]) -> _Answe
     digest, plan, rows = stored
     if key(ident, path, plan)[0] != digest:
         return None  # the disk changed: an ordinary miss
-    if not chosen(path, plan, rows, group, listed=True):
+    if not chosen(path, plan, rows, group):
         _STATS["rejected"] += 1
         return None
     records = (EntryPointRecord(n, v, group, d, ver, path[i], os.path.join(path[i], c)) for n, v, d, ver, i, c in rows)
@@ -250,26 +246,40 @@ def cache_file(ident: str) -> str | None:
     return None
 
 
-def _sig(path: str) -> tuple[int, int, int, int, int, int] | None:
+def _metadata_dirs(entry: str) -> list[str]:
+    """The metadata directories of a path entry in listing order, as ``importlib_metadata`` finds them (none in what
+    is not a directory; an ``egg-info`` outside a ``*.egg`` too, which it then does not read)."""
     try:
-        st = os.stat(path)
+        listing = os.listdir(entry or ".")
+    except (OSError, ValueError):
+        return []
+    lows = "\n".join(listing).lower().split("\n")  # no call per name: a hit lists every distribution
+    if len(lows) != len(listing):  # a name with a line break in it, or none at all
+        lows = [name.lower() for name in listing]
+    return [name for name, low in zip(listing, lows, strict=True) if low.endswith(_SUFFIXES) or low == "egg-info"]
+
+
+def _stat(path: str, dir_fd: int | None = None) -> os.stat_result | None:
+    try:
+        return os.stat(path, dir_fd=dir_fd)
     except (OSError, ValueError):
         return None
-    return (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def _is_metadata_dir(name: str) -> bool:
-    low = name.lower()
-    return low.endswith((".dist-info", ".egg-info")) or low == "egg-info"
 
 
 def key(ident: str, path: list[str], plan: Plan) -> tuple[str, int]:
     """The key's digest as the disk is now, statting what *plan* names, and the newest time among those stats."""
-    sigs = [
-        _sig(f"{entry or '.'}/{name}" if name else entry or ".")
-        for entry, names in zip(path, plan, strict=True)
-        for name in ("", *names)
-    ]
+    stats: list[os.stat_result | None] = []
+    for entry, names in zip(path, plan, strict=True):
+        try:  # names resolved from the open path entry: a hit stats every distribution
+            fd = os.open(entry or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (OSError, ValueError):  # not a directory (a zip, nothing), so nothing under it either
+            stats += [_stat(entry or "."), *[None] * len(names)]
+            continue
+        try:
+            stats += [os.fstat(fd), *[_stat(name, fd) for name in names]]
+        finally:
+            os.close(fd)
+    sigs = [st and (st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for st in stats]
     newest = max((max(sig[4], sig[5]) for sig in sigs if sig is not None), default=0)
     # marshal version 2 writes no back-references: equal values, equal bytes
     return _hash(marshal.dumps((ident, sigs), 2)), newest
@@ -279,16 +289,12 @@ def survey(ident: str, path: list[str], group: str) -> tuple[str, int, Plan]:
     """:func:`key` with the plan it is for, taken before ``importlib_metadata`` reads."""
     plan: Plan = []
     for entry in path:
-        try:
-            children = [child for child in os.listdir(entry or ".") if _is_metadata_dir(child)]
-        except (OSError, ValueError):  # not a directory: importlib_metadata finds none there either
-            children = []
         names: list[str] = []
-        for child in children:
+        for child in _metadata_dirs(entry):
             found = [child, f"{child}/entry_points.txt"]
             if group in (read_entry_points_text(entry, child) or ""):
                 found += [f"{child}/METADATA", f"{child}/PKG-INFO"]
-            names += [name for name in found if name == child or _sig(f"{entry or '.'}/{name}") is not None]
+            names += [name for name in found if name == child or _stat(f"{entry or '.'}/{name}") is not None]
         plan.append(tuple(names))
     return (*key(ident, path, plan), plan)
 
@@ -306,14 +312,15 @@ def _check(what: str, st: os.stat_result | None = None) -> None:
 
 
 def _read(path: str, limit: int, own: bool = False) -> bytes:
-    """A regular file's bytes, opened without blocking; if *own*, not through a symlink and only the user's."""
+    """At most *limit* bytes of a file, opened and read without blocking (a FIFO reads as empty); if *own*, a regular
+    file, not through a symlink and only the user's."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if own else 0))
     try:
-        st = os.fstat(fd)
         if own:
+            st = os.fstat(fd)
             _check(path, st)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
+            if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+                raise ValueError(f"{path} is not a regular file of at most {limit} bytes")
         data = b""
         while chunk := os.read(fd, limit + 1 - len(data)):
             data += chunk
@@ -325,9 +332,7 @@ def _read(path: str, limit: int, own: bool = False) -> bytes:
 
 
 def read_entry_points_text(entry: str, name: str) -> str | None:
-    """``<entry>/<name>/entry_points.txt`` as text (:func:`declared` splits its lines), if *name* is a metadata dir."""
-    if not _is_metadata_dir(name) or os.sep in name or (os.altsep or os.sep) in name:
-        return None
+    """``<entry>/<name>/entry_points.txt`` as text (:func:`declared` splits its lines), or ``None``."""
     try:
         return _read(os.path.join(entry, name, "entry_points.txt"), MAX_TEXT_BYTES).decode()
     except (OSError, ValueError):
@@ -346,19 +351,15 @@ def declared(text: str | None, group: str) -> set[tuple[str, str]]:
     return found
 
 
-def _dist_key(entry: str, child: str) -> str | None:
-    """The name ``importlib_metadata`` files a metadata directory under (its ``Lookup``), normalized; else None."""
-    low = child.lower()
-    if low.endswith((".dist-info", ".egg-info")):
-        return _norm(name) if "__" in (name := _stem_key(child)) else name
-    if low == "egg-info" and entry.lower().endswith(".egg"):
-        return _norm(os.path.basename(entry).rpartition(".")[0].partition("-")[0])
-    return None
-
-
-def _stem_key(child: str) -> str:
-    """``Foo.Bar-1.0.dist-info`` -> ``foo_bar``: the name part of a metadata directory, lower case, ``.`` as ``_``."""
-    return child.lower().rpartition(".")[0].partition("-")[0].replace(".", "_")
+def _dist_keys(entry: str, children: list[str]) -> list[str | None]:
+    """The names ``importlib_metadata`` files these metadata directories of *entry* under (its ``Lookup``), normalized;
+    None for an ``egg-info`` outside a ``*.egg``, which it does not read. No call per name: every hit runs it."""
+    egg = (
+        _norm(os.path.basename(entry).rpartition(".")[0].partition("-")[0]) if entry.lower().endswith(".egg") else None
+    )
+    lows = [child.lower() for child in children]
+    stems = [low.rpartition(".")[0].partition("-")[0].replace(".", "_") for low in lows]
+    return [egg if low == "egg-info" else _norm(s) if "__" in s else s for low, s in zip(lows, stems, strict=True)]
 
 
 def _norm(name: str) -> str:
@@ -369,9 +370,9 @@ def _norm(name: str) -> str:
     return name
 
 
-def _named(entry: str, child: str, dist: str) -> bool:
-    """Whether the directory's ``Name`` is *dist*: read only when its own name does not already say so."""
-    if _norm(dist) == _dist_key(entry, child):
+def _named(entry: str, child: str, dist: str, dist_key: str) -> bool:
+    """Whether the directory's ``Name`` is *dist*: read only when its own name (*dist_key*) does not already say so."""
+    if _norm(dist) == dist_key:
         return True
     for meta in ("METADATA", "PKG-INFO"):  # the order importlib_metadata reads them in
         try:
@@ -382,57 +383,35 @@ def _named(entry: str, child: str, dist: str) -> bool:
     return False
 
 
-def chosen(path: list[str], plan: Plan, rows: list[Row], group: str, *, listed: bool = False) -> bool:
-    """Whether *rows* are what the miss path's rules choose: each from the first metadata directory of its name on
-    the path (as ``importlib_metadata`` files it), one the plan keys a ``METADATA``/``PKG-INFO`` of (its
-    ``entry_points.txt`` mentions the group) and of that ``Name``; every entry of the group such a first directory
-    declares is a row; with *listed*, the plan names every metadata directory of each path entry, so a forged
-    plan cannot leave out what shadows a row. Cheap string tests first: a hit runs this over every directory."""
-    got: dict[tuple[int, str], set[tuple[str, str]]] = {}
-    for name, value, _, _, idx, child in rows:
-        got.setdefault((idx, child), set()).add((name, value))
+def chosen(path: list[str], plan: Plan, rows: list[Row], group: str) -> bool:
+    """Whether *rows* are what the miss path's rules choose, checked against the disk: the plan names exactly the
+    metadata directories of each path entry (so a forged plan cannot leave out one that shadows a row); each row
+    comes from the first directory of its normalized name on the path in listing order (as ``importlib_metadata``
+    files it), of that ``Name``, whose ``METADATA``/``PKG-INFO`` the plan keys (its ``entry_points.txt`` mentions
+    the group); and each such first directory declares exactly its rows."""
+    first: dict[str | None, tuple[int, str]] = {}
     keyed: set[tuple[int, str]] = set()  # the directories whose entry_points.txt mentions the group
-    first: dict[str, tuple[int, str]] = {}
-    for idx, names in enumerate(plan):
-        entry, children = path[idx], set()
-        for name in names:  # one pass, the common case inline: a hit runs it for every directory on the path
-            if "/" in name:
-                if name.endswith(("/METADATA", "/PKG-INFO")):
-                    keyed.add((idx, name.partition("/")[0]))
-            elif (low := name.lower()).endswith(".dist-info") and "__" not in (
-                key := low[:-10].partition("-")[0].replace(".", "_")
-            ):
-                first.setdefault(key, (idx, name))  # what _dist_key says, without its calls
-                children.add(name)
-            elif (dist_key := _dist_key(entry, name)) is not None:
-                first.setdefault(dist_key, (idx, name))
-                children.add(name)
-            elif _is_metadata_dir(name):  # `egg-info` outside a `*.egg`: importlib_metadata reads none of it
-                children.add(name)
-            else:
-                return False  # so the children counted here are the metadata directories counted below
-        if listed:  # counted in C over the joined listing (a name with a line break in it fails the first test)
-            try:
-                listing = os.listdir(entry or ".")
-            except (OSError, ValueError):
-                listing = []
-            text = "\n" + "\n".join(listing).lower() + "\n" if listing else ""
-            count = text.count(".dist-info\n") + text.count(".egg-info\n") + text.count("\negg-info\n")
-            if text.count("\n") != len(listing) + 1 - (not listing) or len(children) != count:
-                ignored(f"its plan does not list the metadata directories of {entry!r}")
-                return False
-            if not children <= set(listing):
-                return False
+    for idx in reversed(range(len(plan))):  # an earlier path entry overwrites a later one's: the first wins
+        entry, names, found = path[idx], plan[idx], _metadata_dirs(path[idx])
+        children = [name for name in names if "/" not in name]
+        if len(children) != len(found) or set(children) != set(found):
+            ignored(f"its plan does not list the metadata directories of {entry!r}")
+            return False
+        keyed.update((idx, name.partition("/")[0]) for name in names if name.endswith(("/METADATA", "/PKG-INFO")))
+        found.reverse()  # a later directory of a name is overwritten by an earlier one too
+        first.update(zip(_dist_keys(entry, found), ((idx, name) for name in found), strict=True))
+    firsts = {where: dist_key for dist_key, where in first.items() if where in keyed and dist_key is not None}
+    got: dict[tuple[int, str], set[tuple[str, str]]] = {}
     for name, value, dist, _, idx, child in rows:
-        dist_key = _dist_key(path[idx], child)
-        if (idx, child) not in keyed or dist_key is None or first.get(dist_key) != (idx, child):
+        got.setdefault((idx, child), set()).add((name, value))
+        if (idx, child) not in firsts:
             why = f"is not the first metadata directory of {dist!r} on the path"
             ignored(f"it holds entry point {name!r} = {value!r}, which {path[idx]}/{child} does not declare: it {why}")
             return False
-        if not _named(path[idx], child, dist):
+        if not _named(path[idx], child, dist, firsts[idx, child]):
             ignored(f"it holds entry point {name!r} of {dist!r}, which {path[idx]}/{child} does not declare (its Name)")
             return False
-    for idx, child in {where for where in keyed if first.get(_dist_key(path[where[0]], where[1]) or "") == where}:
+    for idx, child in firsts:
         if declared(read_entry_points_text(path[idx], child), group) != got.get((idx, child), set()):
             ignored(f"{path[idx]}/{child} does not declare exactly the entry points the cache holds from it")
             return False

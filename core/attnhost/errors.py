@@ -1,9 +1,8 @@
 """Every exception attnhost raises, and the helpers that turn other people's objects into one line of text.
 
-Every message is one sentence that names the culprit (plugin, distribution or backend) and says how to get
-out; callers such as the CLI print ``str(exc)`` as-is, so no message may depend on a traceback to make sense.
-The text helpers live here, at the bottom, so that any layer can format a plugin's exception without
-importing the plugin loader.
+Every message is one sentence that names the culprit (plugin, distribution or backend) and says how to get out:
+the CLI prints ``str(exc)`` as-is. The text helpers live here, at the bottom, so that any layer can format a
+plugin's exception without importing the plugin loader.
 """
 
 from __future__ import annotations
@@ -76,23 +75,17 @@ class RankMismatchError(RankCheckError):
 
 
 def printable(text: str) -> str:
-    """``text`` with whatever ``str.isprintable`` rejects written as ``repr`` escapes it (``\\x1b``, ``\\n``,
-    ``\\u202e``): one printable line, and applying it twice changes nothing more.
-
-    Plugin text (entry-point names, metadata, exception messages, descriptions) reaches terminals and logs,
-    where an escape sequence could clear the screen or forge output and a bidi override reorder what is seen.
-    """
+    """``text`` with whatever ``str.isprintable`` rejects written as ``repr`` escapes it (``\\x1b``, ``\\u202e``):
+    plugin text reaches terminals and logs, where an escape sequence could clear the screen or forge output and a
+    bidi override reorder what is seen. Applying it twice changes nothing more."""
     if text.isprintable():
         return text
     return "".join(char if char.isprintable() else repr(char)[1:-1] for char in text)
 
 
 def printable_record(record: logging.LogRecord) -> bool:
-    """A logging filter that makes a record's message :func:`printable` (it never drops one).
-
-    The modules that log plugin text attach it to their loggers, so plugin text reaches no log handler,
-    attnhost's or an application's, with a control sequence in it.
-    """
+    """A logging filter that makes a record's message :func:`printable` (it never drops one), so plugin text
+    reaches no log handler, attnhost's or an application's, with a control sequence in it."""
     try:
         message = record.getMessage()
     except Exception:  # a malformed record: leave it to the handler's own error reporting

@@ -1,8 +1,8 @@
 """The token-slot KV cache and the per-forward batch that attention backends read.
 
-Modelled on SGLang with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and
-``req_to_token`` maps (request slot, position) to that slot. A ``ForwardBatch`` mirrors its lengths as ints, so
-per-layer code never syncs with the device for a shape. Imports torch: keep it off plugin discovery's path.
+SGLang's with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and ``req_to_token``
+maps (request slot, position) to it. A ``ForwardBatch`` mirrors its lengths as ints, so per-layer code never
+syncs with the device for a shape.
 """
 
 from __future__ import annotations
@@ -41,11 +41,9 @@ def float_dtype(owner: str, dtype: object) -> torch.dtype:
 
 
 class KVPool:
-    """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table.
-
-    Allocation is FIFO, so the same calls always yield the same slots (tests and benchmarks need reproducible
-    layouts), and a fresh pool hands out ascending runs, which backends read as zero-copy views.
-    """
+    """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table. Allocation is FIFO, so the same
+    calls always yield the same slots (tests and benchmarks need reproducible layouts), and a fresh pool hands out
+    ascending runs, which backends read as zero-copy views."""
 
     def __init__(
         self,
@@ -83,11 +81,9 @@ class KVPool:
         return self._v[self._check_layer(layer_id)]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer.
-
-        Not ``buffer[loc] = k`` (``index_put_``): on CPU that opens an OpenMP parallel region even for a few
-        rows, which on shared cores waits for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins.
-        """
+        """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer. Not ``buffer[loc] = k``
+        (``index_put_``): on CPU that opens an OpenMP parallel region even for a few rows, which on shared cores waits
+        for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins."""
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
             raise ValueError(f"KVPool.set_kv: {loc.shape[0]} slots but {k.shape[0]} K rows and {v.shape[0]} V rows")

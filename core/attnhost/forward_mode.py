@@ -48,11 +48,7 @@ class ForwardMode(enum.IntEnum):
 
 
 def per_mode(prefill: T, decode: T, speculative_attention_mode: str) -> tuple[T, ...]:
-    """``prefill`` or ``decode`` for every forward mode, by ``int(mode)``: SGLang's ``dispatch_attn_forward_method``.
-
-    Decode and idle use decode, and so do target-verify and draft-extend-v2 when ``speculative_attention_mode``
-    is ``"decode"``; everything else uses prefill.
-    """
+    """``prefill`` or ``decode`` for every forward mode, by ``int(mode)``: SGLang's ``dispatch_attn_forward_method``."""
     on_decode = {ForwardMode.DECODE, ForwardMode.IDLE}
     if speculative_attention_mode == "decode":
         on_decode |= {ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2}

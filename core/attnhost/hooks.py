@@ -1,9 +1,5 @@
-"""The pluggy hook specifications: the whole surface a plugin can implement.
-
-Importing this module imports pluggy, so ``attnhost/__init__`` exposes
-``hookimpl`` lazily: a process that never loads plugins never pays for it.
-The spec marker stays private: plugins implement hooks, they do not add them.
-"""
+"""The pluggy hook specifications: the whole surface a plugin can implement (the spec marker stays private). It
+imports pluggy, so ``attnhost/__init__`` exposes ``hookimpl`` lazily: a process that loads no plugin never pays."""
 
 from __future__ import annotations
 
@@ -40,11 +36,8 @@ class AttnhostHookSpecs:
 
     @_hookspec(firstresult=True)
     def attnhost_draft_fallback(self, platform: str) -> str | None:
-        """Return the draft backend to fall back to on ``platform``, or None to let others answer.
-
-        The built-in plugin answers last: ``triton`` on ROCm, ``flashinfer``
-        elsewhere. A platform plugin answers first for its own platform.
-        """
+        """Return the draft backend to fall back to on ``platform``, or None to let others answer. The built-in plugin
+        answers last: ``triton`` on ROCm, ``flashinfer`` elsewhere."""
         raise NotImplementedError
 
     @_hookspec(firstresult=True)
@@ -57,25 +50,16 @@ HOOK_NAMES: tuple[str, ...] = tuple(name for name in vars(AttnhostHookSpecs) if 
 
 
 def call_plugin_hook(pm: pluggy.PluginManager, hook_name: str, plugin_name: str, default: Any, **kwargs: Any) -> Any:
-    """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook.
-
-    Plugins are asked one at a time, so that an exception or a bad answer is
-    blamed on that plugin alone and the trace can say who answered; the call
-    is still pluggy's, so an implementation may take any subset of the hook's
-    arguments. What the plugin prints goes to stderr.
-    """
-    caller: pluggy.HookCaller = getattr(pm.hook, hook_name)
+    """One plugin's answer to a hook (``None`` included), or ``default`` if it does not implement the hook. One plugin
+    at a time, so that an exception or a bad answer is blamed on that plugin alone and the trace can say who answered;
+    called as pluggy calls it, with the subset of the hook's arguments it takes."""
     plugin = pm.get_plugin(plugin_name)
-    impls = caller.get_hookimpls()
-    others = [impl.plugin for impl in impls if impl.plugin is not plugin]  # the others that implement it
-    if plugin is None or len(others) == len(impls):
+    impls = getattr(pm.hook, hook_name).get_hookimpls()
+    impl = next((i for i in impls if i.plugin is plugin and not (i.wrapper or i.hookwrapper)), None)
+    if impl is None:
         return default
-    only = pm.subset_hook_caller(hook_name, remove_plugins=others)
     with plugin_output():
-        answer = only(**kwargs)
-    if caller.spec is not None and caller.spec.opts.get("firstresult"):
-        return answer
-    return answer[0] if answer else None  # pluggy leaves a None answer out of the list
+        return impl.function(*(kwargs[name] for name in impl.argnames))
 
 
 class _PluginStdout:
@@ -96,13 +80,10 @@ _saved_stdout: Any = None
 
 @contextlib.contextmanager
 def plugin_output() -> Iterator[None]:
-    """Run plugin code (an import, a hook, a factory's import) with what it prints sent to stderr.
-
-    stdout belongs to the program's own output (``attnhost list --json`` must
-    stay valid JSON). Unlike ``contextlib.redirect_stdout`` this is safe
-    across threads, and the last of nested or overlapping uses restores the
-    real stdout (undoing any replacement a plugin made).
-    """
+    """Run plugin code (an import, a hook, a factory's import) with what it prints sent to stderr. stdout is the
+    program's own output (``attnhost list --json`` must stay valid JSON). Unlike ``contextlib.redirect_stdout`` this is
+    safe across threads, and the last of nested or overlapping uses restores the real stdout (undoing any replacement a
+    plugin made)."""
     global _stdout_users, _saved_stdout
     _in_plugin.depth = getattr(_in_plugin, "depth", 0) + 1
     with _stdout_lock:

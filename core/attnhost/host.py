@@ -1,9 +1,5 @@
-"""The process-wide plugin host: loads plugins once, builds the registry, freezes it.
-
-State flows one way — entry points → plugin manager → registry → frozen — and
-this module owns every step, behind one lock, so threads, forks and repeated
-calls all see plugins loaded exactly once per process.
-"""
+"""The process-wide plugin host: it owns every step of entry points → plugin manager → registry → frozen, behind one
+lock, so threads, forks and repeated calls all see plugins loaded exactly once per process."""
 
 from __future__ import annotations
 
@@ -103,11 +99,8 @@ class PluginHost:
 
     @contextlib.contextmanager
     def _change(self, what: str) -> Iterator[None]:
-        """Guard one change to the plugin set: under the lock, refused once frozen, the registry stale after.
-
-        One hold of the lock that freezing takes, so a registration racing the first ``ServerArgs``
-        either lands before the freeze's build (and is in the frozen registry) or raises.
-        """
+        """Guard one change to the plugin set: under the lock freezing takes (so a registration racing the first
+        ``ServerArgs`` lands in the frozen registry or raises), refused once frozen, the registry stale after."""
         with self._lock:
             self._check(what)
             try:
@@ -143,8 +136,7 @@ class PluginHost:
         finally:
             self._building = False
         registry, plugins = build_registry(contributions)
-        # A plugin whose hook failed leaves the manager, so no later hook call (platform defaults) asks it,
-        # and its failure replaces its loaded record (a duplicate row of the same name keeps its own).
+        # A plugin whose hook failed leaves the manager (no later hook call asks it); its failure replaces its record
         for before, after in zip(records, plugins, strict=True):
             if before.status is not PluginStatus.LOADED or after.status is not PluginStatus.FAILED:
                 continue
@@ -190,12 +182,8 @@ class PluginHost:
             return registry
 
     def _check(self, what: str, *, change: bool = True) -> None:
-        """Refuse a change to the plugin set once frozen, and what a plugin may not do mid-load or mid-build.
-
-        Only the thread holding the lock gets here mid-load or mid-build: a plugin calling back into
-        attnhost from its import-time code (the registry is not complete; a change is fine) or from a
-        hook (the registry is being built from it). Failing that plugin beats recursing.
-        """
+        """Refuse a change to the plugin set once frozen, and what a plugin calling back may not do mid-load (read
+        the registry: it is not complete) or mid-build (anything): failing that plugin beats recursing."""
         if self._loading is not None and not change:
             raise AttnhostError(
                 f"{what} while plugins are still being imported (by a plugin's import-time code); "
@@ -240,8 +228,7 @@ class PluginHost:
             return label
 
     def _after_fork_in_child(self) -> None:
-        # Only the lock may have been held by a thread that does not exist here; forked while one was
-        # mid-load or mid-build, start that step over rather than serve its half-finished state.
+        # The lock may be held by a thread that is not here; mid-load or mid-build, start that step over
         self._lock = threading.RLock()
         if self._loading is not None or self._building:
             self._loading = None

@@ -1,7 +1,5 @@
-"""A target backend made of two, for when the prefill and decode attention backends differ.
-
-It routes by :func:`attnhost.forward_mode.per_mode`, as dispatch does, so the kernel that runs is the one reported.
-"""
+"""A target backend made of two, for when the prefill and decode attention backends differ: it routes by
+:func:`attnhost.forward_mode.per_mode`, as dispatch does, so the kernel that runs is the one reported."""
 
 from __future__ import annotations
 

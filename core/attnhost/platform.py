@@ -1,8 +1,7 @@
 """Which accelerator platform this process runs on, told without importing torch.
 
-Importing torch is slow and can initialise a device; every CLI call and every worker asks this question first.
-torch records its build flavour in ``torch/version.py`` (``hip``, ``cuda``, ``xpu``), so reading that file
-answers it; Ascend's ``torch_npu`` is a separate package whose presence suffices.
+Importing torch is slow and can initialise a device, and every CLI call and worker asks this first; torch's
+``torch/version.py`` records its build flavour (``hip``, ``cuda``, ``xpu``), and ``torch_npu``'s presence suffices.
 """
 
 from __future__ import annotations
@@ -92,11 +91,8 @@ def detect_platform() -> str:
 
 
 def current_platform(override: str | None = None) -> str:
-    """The platform in force: an explicit override, else ``ATTNHOST_PLATFORM``, else detection.
-
-    An override is a platform name like any other: an empty one is an error, not "detect". ``ATTNHOST_PLATFORM``
-    is read once per process, with the other settings, so a plugin's import-time code cannot move it.
-    """
+    """The platform in force: an explicit override (an empty one is an error, not "detect"), else
+    ``ATTNHOST_PLATFORM`` (read once per process, so a plugin cannot move it), else detection."""
     if override is not None:
         return normalize_platform(override)
     if from_env := current().platform:

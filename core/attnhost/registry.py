@@ -1,8 +1,6 @@
-"""The registry: every backend name, its aliases, roles and provenance, immutable once built.
-
-Rebuilt on each registration before the freeze, never changed after it; outside code sees only read-only views,
-so nobody can corrupt it the way SGLang's module-level lists could be.
-"""
+"""The registry: every backend name, its aliases, roles and provenance, rebuilt on each registration before the
+freeze and never changed after it; outside code sees only read-only views, so nobody can corrupt it the way SGLang's
+module-level lists could be."""
 
 from __future__ import annotations
 
@@ -197,11 +195,9 @@ def collect_contributions(pm: pluggy.PluginManager, plugins: Sequence[PluginInfo
 
 
 def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[Registry, list[PluginInfo]]:
-    """Merge contributions in order into a registry; returns it and the final plugin records.
-
-    The first registration of a name wins, except that an implementation fills a declared-only name. Each collision
-    is noted on the plugin that lost, for the host to log once (the registry is rebuilt on every registration).
-    """
+    """Merge contributions in order into a registry; returns it and the final plugin records. The first registration of
+    a name wins, except that an implementation fills a declared-only name. Each collision is noted on the plugin that
+    lost, for the host to log once (the registry is rebuilt on every registration)."""
     entries: dict[str, BackendEntry] = {}
     aliases: dict[str, str] = {}  # disjoint from entries: a name becomes either only while it is neither
     notes: defaultdict[str, list[str]] = defaultdict(list)  # plugin name → the collisions it lost
@@ -260,8 +256,7 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
             elif not owner.draft:
                 entries[owner.name] = replace(owner, draft=True)
                 draft_order.append(owner.name)
-    # A record that is not a contribution (not loaded, failed, a duplicate) contributed nothing, even when a
-    # loaded plugin of another distribution has the same name (the books above are keyed by plugin name).
+    # A record that is not a contribution contributed nothing, even when a loaded plugin has the same name
     plugins = [
         replace(
             item.plugin,

@@ -1,9 +1,8 @@
 """Which backends the target and the draft model run, and a trace of why.
 
-Operators debug "why is my draft on flashinfer?" from this trace, so every decision appends one readable step. A
-draft backend that cannot run here (flashinfer, the fallback, on a CPU machine) is marked so, with the way out,
-before any runner tries to build it. Inside SGLang the draft decision is SGLang's own resolver, wrapped by the
-bridge (:mod:`attnhost.engines.sglang.bridge`, an AROUND hook) so that a plugin's fallback answers there too.
+Operators debug "why is my draft on flashinfer?" from this trace, so every decision appends one readable step.
+Inside SGLang the draft decision is SGLang's own resolver, wrapped by the bridge
+(:mod:`attnhost.engines.sglang.bridge`, an AROUND hook) so that a plugin's fallback answers there too.
 """
 
 from __future__ import annotations
@@ -20,15 +19,8 @@ from attnhost.platform import current_platform
 from attnhost.registry import Registry
 from attnhost.server_args import ServerArgs
 
-__all__ = [
-    "DraftResolution",
-    "Resolution",
-    "TargetResolution",
-    "ask_platform_hook",
-    "resolve",
-    "resolve_attention_backends",
-    "resolve_draft_attention_backend",
-]
+__all__ = ["DraftResolution", "Resolution", "TargetResolution", "ask_platform_hook", "resolve"]
+__all__ += ["resolve_attention_backends", "resolve_draft_attention_backend"]
 
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped

@@ -1,8 +1,7 @@
 """``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
 
-A runner builds its own backend, stamps its backend names on that instance and enters its own forward context;
-it never writes to the args, a module global or another runner, so the isolation SGLang #28559 had to retrofit
-holds by construction.
+A runner builds its own backend, stamps its names on it and enters its own forward context; it never writes to
+the args, a module global or another runner, so the isolation SGLang #28559 retrofitted holds by construction.
 """
 
 from __future__ import annotations
@@ -163,11 +162,8 @@ class ModelRunner:
     def prepare_batch(
         self, mode: ForwardMode, requests: Iterable[tuple[int, int, int]], tree_mask: torch.Tensor | None = None
     ) -> ForwardBatch:
-        """Allocate KV slots for ``(request, prefix_len, extend_len)`` triples and build the batch.
-
-        ``tree_mask`` (``ForwardBatch.tree_mask``'s layout) makes it a speculative tree; a backend that does not
-        declare ``tree_mask`` would silently attend causally, so the tree is refused before any slot is taken.
-        """
+        """Allocate KV slots for ``(request, prefix_len, extend_len)`` triples and build the batch; a tree mask for
+        a backend that does not declare ``tree_mask`` (it would attend causally) is refused before any slot is taken."""
         if tree_mask is not None and not mode.is_decode_or_idle():  # ForwardBatch refuses a tree there anyway
             name = self._name_by_mode[mode]
             if not self._capabilities[name].tree_mask:

@@ -1,9 +1,5 @@
-"""``ServerArgs``: the immutable attention settings, validated against the frozen registry.
-
-Building the first one freezes the registry: its values were checked against
-the choices, so the choices must not move. Args are never written after
-construction — SGLang #28559 was a runner writing into shared args.
-"""
+"""``ServerArgs``: the immutable attention settings (SGLang #28559 was a runner writing into shared args). Building
+the first one freezes the registry: its values were checked against the choices, so the choices must not move."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ _BACKEND_FLAGS = {
     "prefill_attention_backend": "the attention backend for prefill (overrides --attention-backend); "
     "choices: {targets}",
     "decode_attention_backend": "the attention backend for decode (overrides --attention-backend); choices: {targets}",
-    # Any known name is accepted for the draft (one that is not draft-capable falls back, with a warning, as in
-    # SGLang); the help offers the ones a draft worker will actually use.
+    # any known name is accepted (one not draft-capable falls back, as in SGLang); the help offers the capable ones
     "speculative_draft_attention_backend": "the attention backend of the speculative draft model (default: inherit "
     "the target's prefill backend); draft-capable: {drafts}",
 }
@@ -64,12 +59,8 @@ class ServerArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add SGLang's attention flags; choices come from every installed plugin.
-
-        The parser holds a copy of the choices, so this freezes the registry: a
-        later registration raises ``RegistryFrozenError`` instead of leaving the
-        parser to reject the new name.
-        """
+        """Add SGLang's attention flags, their choices from every installed plugin; the parser holds a copy of
+        them, so this freezes the registry (a later registration raises instead of the parser rejecting it)."""
         registry = default_host().freeze(by="ServerArgs.add_cli_args(parser)")
         targets = _offer(registry, registry.names())
         drafts = _offer(registry, registry.names("draft")) or "none"

@@ -1,9 +1,7 @@
 """Every environment variable attnhost reads, the one rule for reading them, and the one time they are read.
 
-Operators set these in service units and container specs, so they are named in one place, every boolean is
-read by the same rule (:func:`parse_flag`), and the whole set is read once per process, into :func:`current`,
-the first time anything asks: plugin loading asks before it imports the first plugin, so no plugin's
-import-time code can switch strict mode off or move the platform under a command that has started.
+Read once per process (:func:`current`), the first time anything asks: plugin loading asks before it imports the
+first plugin, so no plugin's import-time code can switch strict mode off or move the platform.
 """
 
 from __future__ import annotations

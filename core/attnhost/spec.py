@@ -1,9 +1,5 @@
-"""``BackendSpec``: what a plugin says about one attention backend, without importing it.
-
-A spec is pure data plus a *lazy* factory reference, so discovery and the CLI
-can list, validate and explain every backend of every installed plugin
-without paying for (or crashing on) its kernels. Only ``load()`` imports.
-"""
+"""``BackendSpec``: what a plugin says about one attention backend, pure data plus a *lazy* factory reference, so
+discovery and the CLI can list, validate and explain every backend without paying for (or crashing on) its kernels."""
 
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)
 
 
 def check_backend_name(name: object, what: str = "backend name") -> str:
-    """Return ``name`` if it can be typed on a command line and printed in a table, else raise.
-
-    Names become argparse choices and JSON keys; spaces, empty strings or
-    punctuation would make them untypable or ambiguous.
-    """
+    """Return ``name`` if it can be typed on a command line and printed in a table (names become argparse
+    choices and JSON keys), else raise."""
     if not isinstance(name, str):
         raise ValueError(f"{what} must be a string, not {type(name).__name__} {safe_repr(name)}")
     if len(name) > MAX_NAME_LENGTH:
@@ -60,15 +53,10 @@ def _as_tuple(value: str | Iterable[str] | None, what: str, spec_name: str) -> t
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """One attention backend as a plugin declares it.
-
-    ``factory`` is ``"module:attr"`` (imported only by :meth:`load`), a
-    callable, or ``None`` for a *declared-only* name: a known choice whose
-    implementation is not installed, reported as such instead of faked.
-    ``platforms`` empty means "any platform". ``requires`` lists the Python
-    modules the kernels need; ``provided_by`` is the pip distribution a user
-    installs to get them, named in every "unavailable" error.
-    """
+    """One attention backend as a plugin declares it. ``factory``: ``"module:attr"`` (imported only by :meth:`load`), a
+    callable, or ``None`` for a *declared-only* name (a known choice whose implementation is not installed, reported as
+    such instead of faked). ``platforms`` empty: any. ``requires``: the Python modules the kernels need;
+    ``provided_by``: the pip distribution that brings them, named in every "unavailable" error."""
 
     name: str
     factory: Union[str, BackendFactory, None] = None  # noqa: UP007 - a runtime alias with a string part

@@ -1,8 +1,7 @@
 """Text laid out for the terminal it lands on: tables that fit its width, notes wrapped, plugin text defused.
 
-Operators read ``attnhost list`` in an 80-column SSH session as often as in a wide terminal, and a table
-that wraps is unreadable. Every cell passes through :func:`attnhost.errors.printable` first: names,
-versions, descriptions and error texts come from plugins, whose metadata must not clear the screen.
+Operators read ``attnhost list`` in an 80-column SSH session as often as in a wide terminal, and a table that
+wraps is unreadable. Every cell is :func:`attnhost.errors.printable`: plugin metadata must not clear the screen.
 """
 
 from __future__ import annotations
@@ -59,11 +58,8 @@ def fit_table(
     flexible: Sequence[int] = (),
     wrap_last: bool = True,
 ) -> list[str]:
-    """The rows as aligned lines no wider than ``width`` (``None``: unbounded, the ``--wide`` layout).
-
-    Columns in ``flexible`` (not the last) shrink, widest first, down to their header's width; then the last
-    column, if ``wrap_last``, wraps under itself. What still does not fit is cut: no line is wider than ``width``.
-    """
+    """The rows as aligned lines no wider than ``width`` (``None``: unbounded): columns in ``flexible`` (not the last)
+    shrink, widest first, to their header's width; then the last wraps (``wrap_last``); the rest is cut."""
     table = [[shown(cell) for cell in row] for row in rows]
     widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     gap = 2
