@@ -43,7 +43,7 @@ import json, os, time
 def register():
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    target = "attnhost.engines.sglang.agreement.check_ranks_agree"
+    target = "attnhost.engines.rank_agreement.check_ranks_agree"
     if os.environ.get("{MODE_ENV}") == "off":
         HookRegistry.register(target, lambda *args, **kwargs: (), HookType.REPLACE)
         return

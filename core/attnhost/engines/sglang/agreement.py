@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnhost.distributed import RunnerRow, check_ranks_agree
-from attnhost.errors import RankCheckError, describe_exception
+from attnhost.distributed import RunnerRow
+from attnhost.engines.rank_agreement import step_then_agree
 
 __all__ = ["TARGET", "install_agreement_check", "runner_rows"]
 
@@ -42,26 +42,9 @@ def install_agreement_check() -> None:
 
 def _check_after_backends(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang's ``init_all_attention_backends``, then one agreement collective over the engine's ranks."""
-    failure: Exception | None = None
-    result: Any = None
-    try:
-        result = original(scheduler, *args, **kwargs)
-    except Exception as exc:  # joined to the collective below, so the other ranks do not wait for this one
-        failure = exc
-    group = _world_cpu_group()
-    if group is not None:
-        try:
-            rows = runner_rows(scheduler)
-        except Exception as exc:  # never skip the collective for a reading fault
-            rows, failure = (), failure or exc
-        error = None if failure is None else describe_exception(failure)
-        try:
-            check_ranks_agree(group=group, runners=rows, error=error)
-        except RankCheckError as exc:
-            raise exc from failure  # this rank's own failure, if any, stays in the traceback
-    if failure is not None:
-        raise failure
-    return result
+    return step_then_agree(
+        lambda: original(scheduler, *args, **kwargs), _world_cpu_group, lambda: runner_rows(scheduler)
+    )
 
 
 def _world_cpu_group() -> Any:

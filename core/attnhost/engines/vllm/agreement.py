@@ -46,9 +46,9 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any
 
-from attnhost.distributed import RunnerRow, check_ranks_agree
+from attnhost.distributed import RunnerRow
+from attnhost.engines.rank_agreement import step_then_agree
 from attnhost.engines.vllm.names import BACKENDS_MODULE
-from attnhost.errors import RankCheckError, describe_exception
 
 __all__ = ["LAYERS_LABEL", "TARGET", "install_agreement_check", "layer_rows"]
 
@@ -123,28 +123,16 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
 def _check_around(original: Callable[[Any], list[str]], worker: Any) -> list[str]:
     """vLLM's ``get_supported_kv_cache_layouts``, then (once per worker) one agreement collective."""
-    failure: Exception | None = None
-    result: list[str] = []
-    try:
-        result = original(worker)
-    except Exception as exc:  # joined to the collective below, so the other ranks do not wait for this one
-        failure = exc
-    group = None if getattr(worker, _CHECKED, False) else _tp_cpu_group()
-    if group is not None:
-        setattr(worker, _CHECKED, True)
-        rows: tuple[RunnerRow, ...] = ()
-        try:
-            rows = layer_rows(worker.vllm_config)
-        except Exception as exc:  # never skip the collective for a reading fault
-            failure = failure or exc
-        error = None if failure is None else describe_exception(failure)
-        try:
-            check_ranks_agree(group=group, runners=rows, error=error)
-        except RankCheckError as exc:
-            raise exc from failure  # this rank's own failure, if any, stays in the traceback
-    if failure is not None:
-        raise failure
-    return result
+
+    def group() -> Any:
+        if getattr(worker, _CHECKED, False):
+            return None
+        cpu_group = _tp_cpu_group()
+        if cpu_group is not None:
+            setattr(worker, _CHECKED, True)
+        return cpu_group
+
+    return step_then_agree(lambda: original(worker), group, lambda: layer_rows(worker.vllm_config))
 
 
 def _tp_cpu_group() -> Any:
