@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the py312/py313 envs have no torch
 from distgen import make_dist
-from helpers import GROUP, make_plugin, run_cli, run_python
+from helpers import GROUP, make_plugin, run_cli, run_python, subprocess_env
 
 import attnhost
 from attnhost import (
@@ -384,7 +385,16 @@ time.sleep(60)
 def test_ctrl_c_while_plugins_load_exits_130_with_one_line(tmp_path: Path) -> None:
     site = tmp_path / "site"
     make_plugin(site, "sleepy-attn", "1.2", "sleepy", "sleepy_plugin", INTERRUPTED)
-    result = run_cli("list", path_entries=[site])
+    # as from a terminal: a shell without job control starts background jobs with SIGINT ignored, and Python
+    # then keeps it ignored (no KeyboardInterrupt at all), so the child gets the default disposition back
+    result = subprocess.run(
+        [sys.executable, "-m", "attnhost", "list"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env([site]),
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert result.returncode == 128 + signal.SIGINT
     assert result.stderr.splitlines() == [
         "attnhost: interrupted while importing plugin 'sleepy' (distribution sleepy-attn 1.2) "
