@@ -100,3 +100,17 @@ def test_the_engine_option_runs_the_installed_kits_suite_for_each_name(tmp_path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     passed = sorted(line.split("::")[-1] for line in proc.stdout.splitlines() if line.startswith("PASSED"))
     assert passed == ["test_inside_the_engine[alpha]", "test_inside_the_engine[beta]"], proc.stdout
+
+
+def test_node_ids_a_failing_engine_run_printed_can_be_pasted_back(tmp_path: Path) -> None:
+    """As for the conformance suite: ``::TestEngineKit::...[beta]`` from the summary runs just that test again."""
+    site = tmp_path / "site"
+    make_dist(site, "acme-engine-kit", "0.1", {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
+              modules={"acme_kit_suite": SUITE})  # fmt: skip
+    make_dist(site, "sglang", "0.5.23", {})
+    (tmp_path / "test_own.py").write_text("def test_own():\n    raise AssertionError('not collected')\n")
+    node = "::TestEngineKit::test_inside_the_engine[beta]"
+    proc = _pytest(["--attnhost-backend", "alpha,beta", "--attnhost-engine", "sglang", node], tmp_path, [site])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    passed = [line.split("::")[-1] for line in proc.stdout.splitlines() if line.startswith("PASSED")]
+    assert passed == ["test_inside_the_engine[beta]"], proc.stdout

@@ -86,17 +86,19 @@ def backend_names(config: pytest.Config) -> list[str]:
     return list(dict.fromkeys(name for name in names if name))
 
 
-def _suite_node(arg: str) -> str | None:
+def _suite_node(arg: str, suite: str, classes: str) -> str | None:
     """The part after the path when ``arg`` is a node id of the suite, as a failing run prints it.
 
-    The suite lives in site-packages, outside the project's rootdir, so
-    pytest prints its node ids with an empty or a ``../``-relative path
-    (``::TestBackendConformance::test_decode[mine]``).
+    The suites live in site-packages, outside the project's rootdir, so
+    pytest prints their node ids with an empty or a ``../``-relative path
+    (``::TestBackendConformance::test_decode[mine]``). ``classes`` is what the
+    suite's class names start with: the conformance suite's one class, or
+    ``Test`` for an engine kit's suite, whose classes attnhost does not name.
     """
     path, sep, rest = arg.partition("::")
-    if not sep or not rest.startswith(SUITE_CLASS):
+    if not sep or not rest.startswith(classes):
         return None
-    if path and Path(path).resolve() != SUITE_PATH.resolve():
+    if path and Path(path).resolve() != Path(suite).resolve():
         return None
     return rest
 
@@ -118,14 +120,17 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"{ENGINE_OPTION} {engine} needs the backend to check: add {OPTION} NAME")
     suite = str(SUITE_PATH) if engine is None else _engine_suite(engine)
     pasted: list[str] = []
+    pasted_ids = False
     if config.args_source is pytest.Config.ArgsSource.ARGS:
-        # Node ids a failing run printed, pasted back: point them at the suite and take the backend from the id.
+        # Node ids a failing run printed, pasted back: point them at the suite and take the backend from the id
+        # (an engine suite's ids mix the name with the kit's own parameters: there the option names it).
         for i, arg in enumerate(config.args):
-            rest = _suite_node(arg)
+            rest = _suite_node(arg, suite, SUITE_CLASS if engine is None else "Test")
             if rest is not None:
                 config.args[i] = f"{suite}::{rest}"
+                pasted_ids = True
                 match = _PARAMS.search(rest)
-                if match:
+                if match and engine is None:
                     pasted.append(_name_from_params(match.group(1)))
     names = list(dict.fromkeys([*backend_names(config), *pasted]))
     config.stash[_NAMES] = names
@@ -133,7 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if config.args_source is pytest.Config.ArgsSource.ARGS:
         # Paths given explicitly: run them *and* the suite (unless they already name the suite's tests).
-        if not pasted and suite not in config.args:
+        if not pasted_ids and suite not in config.args:
             config.args.append(suite)
     else:
         # No paths given: testpaths or the current directory would run the project's own tests;
