@@ -40,19 +40,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-}
+from attnhost_vllm_cpu.config import TINY_LLAMA  # the test-only vLLM kit's tiny Llama
 
 
 def rank_main(rank: int, port: str, model: str, rounds: int) -> None:
