@@ -15,7 +15,7 @@ from attnhost.backend import AttentionBackend, AttentionLayer
 from attnhost.errors import KVPoolFullError
 from attnhost.forward_batch import ForwardBatch, KVPool
 from attnhost.forward_mode import ForwardMode
-from attnhost.testing.reference import reference_attention
+from attnhost.testing.reference import reference_attention, tree_mask
 from attnhost_builtin.torch_native import TorchNativeAttnBackend
 
 HEAD_DIM = 16
@@ -473,18 +473,6 @@ def test_prepare_refuses_more_slots_than_free() -> None:
 
 
 # -- speculative trees (ForwardBatch.tree_mask) ----------------------------------------
-
-
-def tree_mask(*parents: Sequence[int]) -> torch.Tensor:
-    """``ForwardBatch.tree_mask`` for one request per parent list (``-1``: the root): each token sees its ancestors."""
-    blocks = []
-    for tree in parents:
-        block = torch.eye(len(tree), dtype=torch.bool)
-        for token, parent in enumerate(tree):
-            if parent >= 0:
-                block[token] |= block[parent]
-        blocks.append(block.flatten())
-    return torch.cat(blocks)
 
 
 def test_tree_verify_by_hand() -> None:

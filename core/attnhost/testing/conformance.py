@@ -65,7 +65,7 @@ from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
-from attnhost.testing.reference import reference_attention
+from attnhost.testing.reference import reference_attention, tree_mask
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
 
@@ -90,15 +90,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _tree_mask(*trees: str) -> torch.Tensor:
     """``ForwardBatch.tree_mask`` for one request per named tree (:data:`SPECULATIVE_TREES`), in order."""
-    blocks = []
-    for name in trees:
-        parents = SPECULATIVE_TREES[name]
-        block = torch.eye(len(parents), dtype=torch.bool)
-        for token, parent in enumerate(parents):
-            if parent >= 0:
-                block[token] |= block[parent]
-        blocks.append(block.flatten())
-    return torch.cat(blocks)
+    return tree_mask(*(SPECULATIVE_TREES[name] for name in trees))
 
 
 @dataclasses.dataclass

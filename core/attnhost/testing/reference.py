@@ -10,12 +10,14 @@ cache has to hold the new tokens' K/V before it is called.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from attnhost.backend import AttentionLayer
 from attnhost.forward_batch import ForwardBatch
 
-__all__ = ["causal_mask", "reference_attention", "reference_request_attention", "tree_blocks"]
+__all__ = ["causal_mask", "reference_attention", "reference_request_attention", "tree_blocks", "tree_mask"]
 
 
 def reference_attention(
@@ -110,3 +112,15 @@ def tree_blocks(forward_batch: ForwardBatch) -> list[torch.Tensor] | None:
     lens = forward_batch.extend_seq_lens_cpu
     cells = forward_batch.tree_mask.to("cpu").split_with_sizes([e * e for e in lens])
     return [block.view(e, e) for block, e in zip(cells, lens, strict=True)]
+
+
+def tree_mask(*parents: Sequence[int]) -> torch.Tensor:
+    """``ForwardBatch.tree_mask`` for one request per parent list (``-1``: the root): each token sees its ancestors."""
+    blocks = []
+    for tree in parents:
+        block = torch.eye(len(tree), dtype=torch.bool)
+        for token, parent in enumerate(tree):
+            if parent >= 0:
+                block[token] |= block[parent]
+        blocks.append(block.flatten())
+    return torch.cat(blocks)
