@@ -64,41 +64,12 @@ class Setup:
     """One SGLang batch on SGLang's pools, with every subject built from SGLang's ``ATTENTION_BACKENDS``."""
 
     def __init__(self, label: str, prefix: tuple[int, ...], extend: tuple[int, ...]) -> None:
-        import unittest
-
+        from bench_sglang_bridge import dense_fixture
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
-            DenseAttentionCase,
-            build_dense_attention_fixture,
-        )
-
-        class _Case(unittest.TestCase):
-            def runTest(self) -> None:  # pragma: no cover
-                pass
 
         self.mode = "decode" if not extend else "extend"
-        case = DenseAttentionCase(
-            name=label,
-            backend="torch_native",
-            forward_mode=ForwardMode.DECODE if not extend else ForwardMode.EXTEND,
-            num_heads=HEADS,
-            num_kv_heads=KV_HEADS,
-            page_size=1,
-            prefix_lens=prefix,
-            extend_lens=extend,
-        )
-        with torch.no_grad():
-            fixture = build_dense_attention_fixture(
-                _Case(),
-                case,
-                head_dim=HEAD_DIM,
-                hidden_size=HEADS * HEAD_DIM,
-                max_context_len=max(p + max(extend or (1,)) for p in prefix) + 1,
-                dtype=torch.float32,
-                device="cpu",
-                loc_layout="shuffled_pages",
-            )
+        fixture = dense_fixture(label, self.mode, prefix, extend, "shuffled_pages", (HEADS, KV_HEADS, HEAD_DIM))
+        case = fixture.case
         self.runner, self.batch, self.layer = fixture.runner, fixture.forward_batch, fixture.actual_module.attn
         tokens = case.num_input_tokens
         self.q = torch.randn(tokens, HEADS * HEAD_DIM)

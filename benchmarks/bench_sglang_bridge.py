@@ -45,6 +45,7 @@ import os
 import sys
 import unittest
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -78,6 +79,46 @@ class _Case(unittest.TestCase):
         pass
 
 
+def dense_fixture(
+    label: str,
+    mode: str,
+    prefix: tuple[int, ...],
+    extend: tuple[int, ...],
+    layout: str,
+    heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+) -> Any:
+    """SGLang's dense-kit fixture for one batch (its pools, batch, layer and SGLang's own ``torch_native``);
+    ``heads``: query heads, KV heads, head dim."""
+    num_heads, num_kv_heads, head_dim = heads
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
+        DenseAttentionCase,
+        build_dense_attention_fixture,
+    )
+
+    case = DenseAttentionCase(
+        name=label,
+        backend="torch_native",
+        forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        page_size=1,
+        prefix_lens=prefix,
+        extend_lens=extend,
+    )
+    with torch.no_grad():
+        return build_dense_attention_fixture(
+            _Case(),
+            case,
+            head_dim=head_dim,
+            hidden_size=num_heads * head_dim,
+            max_context_len=max(p + max(extend or (1,)) for p in prefix) + 1,
+            dtype=torch.float32,
+            device="cpu",
+            loc_layout=layout,
+        )
+
+
 def _cases(quick: bool) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]:
     """(label, mode, prefix_lens, extend_lens)."""
     contexts = (512, 4096) if quick else (512, 1024, 4096)
@@ -107,11 +148,6 @@ def main() -> int:
 
     load_plugins()
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
-        DenseAttentionCase,
-        build_dense_attention_fixture,
-    )
 
     layouts = ("shuffled_pages", "contiguous") if options.layout == "both" else (options.layout,)
     rounds = options.rounds or (5 if options.quick else 9)
@@ -125,28 +161,8 @@ def main() -> int:
         for label, mode, prefix, extend in _cases(options.quick):
             if options.only not in label:
                 continue
-            case = DenseAttentionCase(
-                name=label,
-                backend="torch_native",
-                forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
-                num_heads=HEADS,
-                num_kv_heads=KV_HEADS,
-                page_size=1,
-                prefix_lens=prefix,
-                extend_lens=extend,
-            )
-            max_context = max(p + max(extend or (1,)) for p in prefix) + 1
-            with torch.no_grad():
-                fixture = build_dense_attention_fixture(
-                    _Case(),
-                    case,
-                    head_dim=HEAD_DIM,
-                    hidden_size=HEADS * HEAD_DIM,
-                    max_context_len=max_context,
-                    dtype=torch.float32,
-                    device="cpu",
-                    loc_layout=layout,
-                )
+            fixture = dense_fixture(label, mode, prefix, extend, layout)
+            case = fixture.case
             runner, batch = fixture.runner, fixture.forward_batch
             layer = fixture.actual_module.attn
             sglang_backend = fixture.backend
