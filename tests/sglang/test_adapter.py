@@ -19,6 +19,7 @@ load_plugins()
 
 from attnhost_tiny import TinyAttnBackend  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangAttentionBackend  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (  # noqa: E402
     DenseAttentionCase,
@@ -215,3 +216,27 @@ def test_a_mixed_batch_computes_the_same_as_sglangs_torch_native() -> None:
     )
     ours, theirs = _ours_and_sglangs(case, ForwardMode.MIXED)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [0, 9], ids=["extend", "decode"])
+def test_forward_dispatches_as_sglangs_own_forward_once_planned(case: int) -> None:
+    """The adapter's ``forward`` picks decode or extend once per planned batch (not by mode tests per layer), and
+    still through the methods by name, so a hook on them runs; another batch object goes through SGLang's own
+    dispatch and its checks."""
+    fixture = _fixture(**dataclasses.asdict(make_dense_cases("tiny")[case]))
+    backend, batch, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn
+    decode = batch.forward_mode.is_decode()
+    backend.init_forward_metadata(batch)
+    q, k, v = _qkv(fixture)
+    expected = SGLangAttentionBackend.forward(backend, q, k, v, layer, batch, save_kv_cache=False)
+    called: list[str] = []
+    for name in ("forward_decode", "forward_extend"):
+        method = getattr(backend, name)
+        setattr(backend, name, lambda *a, _m=method, _n=name, **kw: (called.append(_n), _m(*a, **kw))[1])
+    out = backend.forward(q, k, v, layer, batch, save_kv_cache=False)
+    assert called == ["forward_decode" if decode else "forward_extend"]
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    other = dataclasses.replace(batch, out_cache_loc=batch.out_cache_loc + 1)
+    with pytest.raises(RuntimeError, match=r"init_forward_metadata\(\) was not called for this ForwardBatch"):
+        backend.forward(q, k, v, layer, other, save_kv_cache=False)
+    assert called[1:] == ["forward_decode" if decode else "forward_extend"]

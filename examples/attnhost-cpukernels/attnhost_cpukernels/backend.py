@@ -2,8 +2,10 @@
 
 Per batch, ``init_forward_metadata`` packs what the kernel needs about each request (its ``req_to_token`` row,
 prefix and new-token counts, where its queries and its tree-mask block start) into one small int64 tensor.
-Per layer, the Python side is the cache write and one call: the kernel splits the work over requests x KV heads
-(and a lone long request's context) on torch's intra-op threads, and returns a fresh output in ``q``'s layout
+Per layer, the Python side is one call. The kernel first writes the new tokens' K/V at ``out_cache_loc`` itself:
+the contract's ``k_buffer``/``v_buffer`` are the cache by slot, so a plain copy there is exactly ``set_kv``'s write
+(where the dtypes differ, ``set_kv`` writes them instead, converted). It then splits the work over requests x KV
+heads (and a lone long request's context) on torch's intra-op threads, and returns a fresh output in ``q``'s layout
 and dtype (``flat_heads``: SGLang's ``[T, heads * head_dim]`` in, the same out). Softmax and sums are float32
 for every dtype.
 """
@@ -80,15 +82,20 @@ class CpuPagedAttnBackend(AttentionBackend):
             )
         pool = forward_batch.kv_pool
         layer_id = layer.layer_id
+        keys, values = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        new_k = new_v = loc = None
         if save_kv_cache:
             if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
                 k = k.view(-1, layer.num_kv_heads, layer.head_dim)
                 v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-            pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+            if k.dtype == keys.dtype and v.dtype == values.dtype:  # the kernel writes them (a plain copy)
+                new_k, new_v, loc = k, v, forward_batch.out_cache_loc
+            else:  # a conversion: the cache's own write
+                pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
         out: Tensor = _kernel.attend(
             q,
-            pool.k_buffer(layer_id),
-            pool.v_buffer(layer_id),
+            keys,
+            values,
             pool.req_to_token,
             self._meta,
             self._mask,
@@ -96,6 +103,9 @@ class CpuPagedAttnBackend(AttentionBackend):
             layer.num_kv_heads,
             layer.head_dim,
             layer.scaling,
+            new_k,
+            new_v,
+            loc,
         )
         return out
 

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <vector>
 
 #include "kernel.h"
@@ -46,13 +47,55 @@ DType dtype_of(const torch::Tensor& t, const char* what) {
 
 constexpr int64_t kMinChunk = 256;  // the fewest keys worth a split of one request's context
 
+// The batch's new K/V rows written at their slots, in the cache's own dtype: the cache write fused into the
+// attention call. As a separate torch op per buffer (index_copy_) it cost more than the attention of a short
+// decode whenever the layer's code had gone cold, as a real layer's has after the MLP streamed its weights.
+void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& new_k,
+                  const torch::Tensor& new_v, const torch::Tensor& loc) {
+  TORCH_CHECK(new_k.scalar_type() == k.scalar_type() && new_v.scalar_type() == v.scalar_type(),
+              "attnhost-cpukernels: the new K/V (", new_k.scalar_type(), ") must have the cache's dtype (",
+              k.scalar_type(), "); convert them or write them with kv_pool.set_kv");
+  TORCH_CHECK(new_k.dim() == 3 && new_k.sizes() == new_v.sizes() && new_k.size(1) == k.size(1) &&
+                  new_k.size(2) == k.size(2) && new_k.stride(2) == 1 && new_v.stride(2) == 1,
+              "attnhost-cpukernels: the new K/V must be [tokens, ", k.size(1), ", ", k.size(2),
+              "] with a dense head_dim, got ", new_k.sizes(), " and ", new_v.sizes());
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == new_k.size(0) &&
+                  (loc.scalar_type() == at::kLong || loc.scalar_type() == at::kInt),
+              "attnhost-cpukernels: out_cache_loc must be [", new_k.size(0), "] int64 or int32, got ", loc.sizes(),
+              " ", loc.scalar_type());
+  const int64_t n = loc.size(0), slots = std::min(k.size(0), v.size(0)), heads = k.size(1);
+  const int64_t row = k.size(2) * k.element_size();
+  std::vector<int64_t> at(n);
+  for (int64_t i = 0; i < n; ++i) {  // any stride: a speculative batch's out_cache_loc is often a strided view
+    const int64_t li = i * loc.stride(0);
+    at[i] = loc.scalar_type() == at::kLong ? loc.data_ptr<int64_t>()[li] : loc.data_ptr<int32_t>()[li];
+    TORCH_CHECK(at[i] >= 0 && at[i] < slots, "attnhost-cpukernels: out_cache_loc[", i, "] = ", at[i],
+                " is not a slot of this cache (", slots, " slots)");
+  }
+  const int64_t es = k.element_size();
+  char* kd = static_cast<char*>(k.data_ptr());
+  char* vd = static_cast<char*>(v.data_ptr());
+  const char* ks = static_cast<const char*>(new_k.data_ptr());
+  const char* vs = static_cast<const char*>(new_v.data_ptr());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t kto = at[i] * k.stride(0) + h * k.stride(1), kfrom = i * new_k.stride(0) + h * new_k.stride(1);
+      const int64_t vto = at[i] * v.stride(0) + h * v.stride(1), vfrom = i * new_v.stride(0) + h * new_v.stride(1);
+      std::memcpy(kd + kto * es, ks + kfrom * es, row);
+      std::memcpy(vd + vto * es, vs + vfrom * es, row);
+    }
+}
+
 }  // namespace
 
 // q: [T, heads, dim] or [T, heads * dim]; k_buffer/v_buffer: [slots, kv_heads, dim] (any strides, the last 1);
-// table: req_to_token (int32 or int64, any strides); meta: [B, 5] int64 on the CPU (see kernel.h).
+// table: req_to_token (int32 or int64, any strides); meta: [B, 5] int64 on the CPU (see kernel.h). With new_k,
+// new_v and loc, the new tokens' K/V are first written at slots loc (see write_new_kv).
 torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& table, const torch::Tensor& meta, const c10::optional<torch::Tensor>& mask,
-                     int64_t heads, int64_t kv_heads, int64_t dim, double scale) {
+                     int64_t heads, int64_t kv_heads, int64_t dim, double scale,
+                     const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
+                     const c10::optional<torch::Tensor>& loc) {
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu(),
               "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
   torch::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
@@ -67,6 +110,13 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
               "attnhost-cpukernels: req_to_token must be a 2-D int32 or int64 tensor");
   TORCH_CHECK(meta.is_contiguous() && meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == kMetaFields,
               "attnhost-cpukernels: bad batch metadata");
+  TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
+              "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
+  if (new_k.has_value()) {
+    TORCH_CHECK(new_k->device().is_cpu() && new_v->device().is_cpu() && loc->device().is_cpu(),
+                "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
+    write_new_kv(k, v, *new_k, *new_v, *loc);
+  }
   auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t batch = meta.size(0);
   if (batch == 0 || tokens == 0) return out;
@@ -200,7 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &cpukernels::attend, "attention of a batch's new tokens over the cache", pybind11::arg("q"),
         pybind11::arg("k_buffer"), pybind11::arg("v_buffer"), pybind11::arg("req_to_token"), pybind11::arg("meta"),
         pybind11::arg("tree_mask"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
-        pybind11::arg("head_dim"), pybind11::arg("scaling"));
+        pybind11::arg("head_dim"), pybind11::arg("scaling"), pybind11::arg("new_k") = pybind11::none(),
+        pybind11::arg("new_v") = pybind11::none(), pybind11::arg("loc") = pybind11::none());
   m.attr("isa") = cpukernels::kIsa.name;
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);

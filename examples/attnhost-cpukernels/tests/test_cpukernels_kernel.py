@@ -6,6 +6,7 @@ cache whose slots are shuffled, as a long-running server's are.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -214,3 +215,46 @@ def test_requests_in_any_table_order() -> None:
     for rows in itertools.permutations((1, 4, 6)):
         requests = [(row, 10 * row, 2) for row in rows]
         _check(_batch(pool, ForwardMode.EXTEND, requests, gen), layer, torch.float32, gen)
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_kernel_writes_the_new_kv_at_their_slots_and_nowhere_else(dtype: torch.dtype, strided: bool) -> None:
+    """The cache write is fused into the call: the new rows land at ``out_cache_loc``, bit for bit, and no other
+    byte of either buffer changes; new K/V of another dtype go through ``set_kv``, converted. On the strided
+    cache, ``out_cache_loc`` is a strided view too, as SGLang's speculative batches hand it."""
+    gen = torch.Generator().manual_seed(13)
+    layer = AttentionLayer(0, 8, 2, 64)
+    for given in (dtype, torch.float32 if dtype != torch.float32 else torch.bfloat16):
+        pool = _pool(2, 64, dtype, strided, slots=512)
+        batch = _batch(pool, ForwardMode.EXTEND, [(0, 20, 5), (3, 0, 7), (6, 40, 1)], gen)
+        if strided:
+            batch = dataclasses.replace(batch, out_cache_loc=batch.out_cache_loc.repeat_interleave(2)[::2])
+            assert batch.out_cache_loc.stride(0) == 2
+        before_k, before_v = pool.k_buffer(0).clone(), pool.v_buffer(0).clone()
+        n = batch.num_new_tokens
+        k, v = (torch.randn(n, 2, 64, generator=gen).to(given) for _ in range(2))
+        backend = CpuPagedAttnBackend()
+        backend.init_forward_metadata(batch)
+        backend.forward(torch.randn(n, 8, 64, generator=gen).to(dtype), k.flatten(1), v.flatten(1), layer, batch)
+        loc = batch.out_cache_loc
+        untouched = torch.ones(512, dtype=torch.bool)
+        untouched[loc] = False
+        assert torch.equal(pool.k_buffer(0)[loc], k.to(dtype)) and torch.equal(pool.v_buffer(0)[loc], v.to(dtype))
+        assert torch.equal(pool.k_buffer(0)[untouched], before_k[untouched])
+        assert torch.equal(pool.v_buffer(0)[untouched], before_v[untouched])
+
+
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written() -> None:
+    gen = torch.Generator().manual_seed(17)
+    layer = AttentionLayer(0, 4, 2, 32)
+    pool = _pool(2, 32, torch.float32, False, slots=256)
+    batch = _batch(pool, ForwardMode.EXTEND, [(0, 10, 3)], gen)
+    batch.out_cache_loc[1] = 256  # one past the last slot
+    before = pool.k_buffer(0).clone()
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    k = torch.randn(3, 2, 32, generator=gen)
+    with pytest.raises(RuntimeError, match=r"out_cache_loc\[1\] = 256 is not a slot of this cache \(256 slots\)"):
+        backend.forward(torch.randn(3, 4, 32, generator=gen), k, k, layer, batch)
+    assert torch.equal(pool.k_buffer(0), before)

@@ -220,6 +220,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self._layers: dict[int, AttentionLayer] = {}
         self._sglang_batch: SGLangBatch | None = None
         self._batch: ForwardBatch | None = None
+        self._decode: bool | None = None  # the planned batch's method (see forward); None: SGLang's own dispatch
 
     @property
     def _where(self) -> str:
@@ -353,6 +354,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if batch is not None:
             self.attnhost_backend.init_forward_metadata(batch)
         self._batch = batch
+        mode = forward_batch.forward_mode
+        self._decode = None if batch is None or mode.is_mixed() else mode.is_decode()
 
     def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any) -> ForwardBatch:
         """TARGET_VERIFY: each request's ``draft_token_num`` new tokens after its committed ``seq_lens``.
@@ -424,6 +427,19 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.init_forward_metadata(forward_batch)
 
     # -- per layer ------------------------------------------------------------------
+
+    def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
+                forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+        """SGLang's own dispatch (idle, decode, extend), decided once per batch in ``_plan`` instead of by two
+        mode tests in every layer's call: with the layer's code cold, as a real layer's is after the MLP has
+        streamed its weights, those tests cost a quarter of a 1 x 4,096-token decode (BENCHMARKS.md)."""
+        decode = self._decode
+        if decode is None or forward_batch is not self._sglang_batch:
+            out: Tensor = super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return out
+        if decode:
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     # SGLang calls these two by name (and plugins may hook them by name), so both stay real methods.
     def forward_extend(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
