@@ -424,8 +424,8 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
     // vectors of every key for four rows, about n / 8 QK steps of work).
     const int64_t qk_steps = nh * (rows_per_head >= 4 ? (n + 1) / 2 : n);
     const int64_t pv_steps = nh * (rows_per_head / 4) * ((dim - dim % W) / (2 * W));
-    const int64_t ahead_rows = 2 * n_next, pv_weight = std::max<int64_t>(1, n / 8);
-    const int64_t quota = (ahead_rows + qk_steps + pv_steps * pv_weight - 1) / (qk_steps + pv_steps * pv_weight);
+    const int64_t pv_weight = std::max<int64_t>(1, n / 8);
+    const int64_t quota = (ahead.rows + qk_steps + pv_steps * pv_weight - 1) / (qk_steps + pv_steps * pv_weight);
     const int64_t pv_quota = quota * pv_weight;
     for (int hl = 0; hl < nh; ++hl) {
       const int h = u.h0 + hl;
@@ -502,7 +502,7 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
       }
       accumulate(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim, ahead, pv_quota);
     }
-    ahead.issue(ahead_rows);  // whatever the steps left (the tails of odd row counts issue none)
+    ahead.issue(ahead.rows);  // whatever the steps left (the tails of odd row counts issue none)
   }
 
   if (u.partial >= 0) {  // a piece of a split context: keep the unnormalised state for the merge
