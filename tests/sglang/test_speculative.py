@@ -120,6 +120,8 @@ CASES = [
     SpecCase("chain-fallback-acme", "acme_nodraft", drafts_on="acme_draft"),
     SpecCase("tree-tiny", "tiny", topk=2),
     SpecCase("tree-attnhost_torch_native", "attnhost_torch_native", topk=2),
+    # the compiled example writes the new K/V itself, through the speculative batches' strided out_cache_loc
+    SpecCase("tree-cpu_paged", "cpu_paged", topk=2),
     SpecCase("copy-chain-batched_matmul", "batched_matmul", draft="copy"),
     SpecCase("eagle-tree-tiny", "tiny", topk=2, draft="eagle"),
     SpecCase("tree-refused-acme", "acme_draft", topk=2, refused=("acme_draft", "tree_mask")),
