@@ -432,7 +432,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                 forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
         """SGLang's own dispatch (idle, decode, extend), decided once per batch in ``_plan`` instead of by two
         mode tests in every layer's call: with the layer's code cold, as a real layer's is after the MLP has
-        streamed its weights, those tests cost a quarter of a 1 x 4,096-token decode (BENCHMARKS.md)."""
+        streamed its weights, those tests took 26 us, against 450 us for a whole one-request 4,096-token decode
+        on a compiled kernel (BENCHMARKS.md, "Compiled CPU kernel")."""
         decode = self._decode
         if decode is None or forward_batch is not self._sglang_batch:
             out: Tensor = super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
