@@ -40,8 +40,8 @@ class _KitCase(unittest.TestCase):
         raise AssertionError(f"the kit skipped the case: {reason}")
 
 
-def _fixture(backend: str = "tiny", **changes: object):  # type: ignore[no-untyped-def]
-    case = dataclasses.replace(make_dense_cases(backend)[0], **changes)
+def _fixture(backend: str = "tiny", index: int = 0, **changes: object):  # type: ignore[no-untyped-def]
+    case = dataclasses.replace(make_dense_cases(backend)[index], **changes)
     with torch.no_grad():
         return build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
 
@@ -223,7 +223,7 @@ def test_forward_dispatches_as_sglangs_own_forward_once_planned(case: int) -> No
     """The adapter's ``forward`` picks decode or extend once per planned batch (not by mode tests per layer), and
     still through the methods by name, so a hook on them runs; another batch object goes through SGLang's own
     dispatch and its checks."""
-    fixture = _fixture(**dataclasses.asdict(make_dense_cases("tiny")[case]))
+    fixture = _fixture(index=case)
     backend, batch, layer = fixture.backend, fixture.forward_batch, fixture.actual_module.attn
     decode = batch.forward_mode.is_decode()
     backend.init_forward_metadata(batch)

@@ -64,7 +64,7 @@ void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::T
               "attnhost-cpukernels: out_cache_loc must be [", new_k.size(0), "] int64 or int32, got ", loc.sizes(),
               " ", loc.scalar_type());
   const int64_t n = loc.size(0), slots = std::min(k.size(0), v.size(0)), heads = k.size(1);
-  const int64_t row = k.size(2) * k.element_size();
+  const int64_t es = k.element_size(), row = k.size(2) * es;
   std::vector<int64_t> at(n);
   for (int64_t i = 0; i < n; ++i) {  // any stride: a speculative batch's out_cache_loc is often a strided view
     const int64_t li = i * loc.stride(0);
@@ -72,7 +72,6 @@ void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::T
     TORCH_CHECK(at[i] >= 0 && at[i] < slots, "attnhost-cpukernels: out_cache_loc[", i, "] = ", at[i],
                 " is not a slot of this cache (", slots, " slots)");
   }
-  const int64_t es = k.element_size();
   char* kd = static_cast<char*>(k.data_ptr());
   char* vd = static_cast<char*>(v.data_ptr());
   const char* ks = static_cast<const char*>(new_k.data_ptr());
@@ -96,7 +95,11 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
                      int64_t heads, int64_t kv_heads, int64_t dim, double scale,
                      const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
                      const c10::optional<torch::Tensor>& loc) {
-  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu(),
+  TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
+              "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
+  const bool new_on_cpu = !new_k.has_value() || (new_k->is_cpu() && new_v->is_cpu() && loc->is_cpu());
+  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
+                  new_on_cpu,
               "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
   torch::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
   const int64_t tokens = q.size(0);
@@ -110,13 +113,7 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
               "attnhost-cpukernels: req_to_token must be a 2-D int32 or int64 tensor");
   TORCH_CHECK(meta.is_contiguous() && meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == kMetaFields,
               "attnhost-cpukernels: bad batch metadata");
-  TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
-              "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
-  if (new_k.has_value()) {
-    TORCH_CHECK(new_k->device().is_cpu() && new_v->device().is_cpu() && loc->device().is_cpu(),
-                "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
-    write_new_kv(k, v, *new_k, *new_v, *loc);
-  }
+  if (new_k.has_value()) write_new_kv(k, v, *new_k, *new_v, *loc);
   auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t batch = meta.size(0);
   if (batch == 0 || tokens == 0) return out;
