@@ -1,7 +1,10 @@
 """``cpu_paged``: the attnhost contract on a compiled C++ kernel (``csrc/``), which reads the cache in place.
 
-Per batch, ``init_forward_metadata`` packs what the kernel needs about each request (its ``req_to_token`` row,
-prefix and new-token counts, where its queries and its tree-mask block start) into one small int64 tensor.
+Per batch, ``init_forward_metadata`` has the kernel *plan* the batch: check every request's table row, lengths
+and tree-mask block against the table, and copy out every ``req_to_token`` entry the batch reads, refusing one
+that is not a slot (naming its row, position and value). The plan owns those copies, so what the layers read
+cannot change under them, and the per-layer checks are a few comparisons against it (q's shape against the
+batch and the layer, the largest slot against each layer's buffers): no scan of the batch per layer.
 Per layer, the Python side is one call. The kernel first writes the new tokens' K/V at ``out_cache_loc`` itself:
 the contract's ``k_buffer``/``v_buffer`` are the cache by slot, so a plain copy there is exactly ``set_kv``'s write
 (where the dtypes differ, ``set_kv`` writes them instead, converted). It then splits the work over requests x KV
@@ -12,7 +15,6 @@ for every dtype.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,33 +51,24 @@ class CpuPagedAttnBackend(AttentionBackend):
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
         self._batch: ForwardBatch | None = None
-        self._meta = torch.empty((0, 5), dtype=torch.int64)
-        self._mask: Tensor | None = None
+        self._plan: _kernel.Plan | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """One row per request: table row, prefix, new tokens, first query row, tree-mask offset."""
-        extend = forward_batch.extend_seq_lens_cpu
-        mask_starts = itertools.accumulate((e * e for e in extend), initial=0)
-        self._meta = torch.tensor(
-            list(
-                zip(
-                    forward_batch.req_pool_indices.tolist(),
-                    forward_batch.prefix_lens_cpu,
-                    extend,
-                    forward_batch.extend_start_loc_cpu,
-                    mask_starts,
-                    strict=False,  # mask_starts has one more entry: the total
-                )
-            ),
-            dtype=torch.int64,
-        ).view(-1, 5)
-        mask = forward_batch.tree_mask
-        self._mask = None if mask is None else mask.to(device="cpu", dtype=torch.bool).contiguous()
+        """The kernel's plan of the batch: its metadata checked, and the slots it reads copied, once."""
+        self._batch = None  # a refused batch leaves no plan behind
+        self._plan = _kernel.plan(
+            forward_batch.kv_pool.req_to_token,
+            forward_batch.req_pool_indices.tolist(),
+            forward_batch.prefix_lens_cpu,
+            forward_batch.extend_seq_lens_cpu,
+            forward_batch.tree_mask,
+        )
         self._batch = forward_batch
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        if forward_batch is not self._batch:
+        plan = self._plan
+        if forward_batch is not self._batch or plan is None:
             raise RuntimeError(
                 "cpu_paged: init_forward_metadata() was not called for this ForwardBatch; "
                 "call it once per batch before the layers run"
@@ -96,9 +89,7 @@ class CpuPagedAttnBackend(AttentionBackend):
             q,
             keys,
             values,
-            pool.req_to_token,
-            self._meta,
-            self._mask,
+            plan,
             layer.num_heads,
             layer.num_kv_heads,
             layer.head_dim,

@@ -1,12 +1,17 @@
-// The Python face of the kernel: checks the tensors once per call, splits the batch into units of work, runs them
-// on torch's intra-op threads (at::parallel_for, so torch.set_num_threads governs it) and merges split contexts.
+// The Python face of the kernel. Once per batch, plan() checks the batch's metadata and copies out every
+// req_to_token entry the batch will read; per layer, attend() checks the layer's tensors against that plan in a
+// few comparisons, splits the batch into units of work, runs them on torch's intra-op threads (at::parallel_for,
+// so torch.set_num_threads governs it) and merges split contexts. Whatever the arguments, the kernel reads and
+// writes only inside the tensors it was given: a mismatch is refused with one sentence, never read past.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernel.h"
@@ -46,6 +51,102 @@ DType dtype_of(const torch::Tensor& t, const char* what) {
 }
 
 constexpr int64_t kMinChunk = 256;  // the fewest keys worth a split of one request's context
+
+// One batch's metadata, checked: the kernel's only source of slots and mask. It owns copies, not views, so
+// nothing written into req_to_token or the mask after planning (a stale table, a resized tensor) can steer a
+// read; Python can obtain one only from plan(), never build or change one.
+struct Plan {
+  std::vector<int64_t> meta;  // kMetaFields per request (kernel.h); field 0 indexes slots
+  std::vector<int64_t> slots;  // each request's req_to_token entries [0, prefix + extend), in batch order
+  std::vector<uint8_t> mask;  // the tree mask's blocks, 0 or 1
+  bool has_mask = false;
+  int64_t batch = 0, tokens = 0;
+  int64_t max_slot = -1;  // the largest slot the batch reads: every K/V buffer must hold more slots than this
+  int64_t max_request = -1, max_row = -1, max_pos = -1;  // where it is named, for the refusal
+};
+
+// One request's entries copied in one pass that also finds the smallest and the largest (and where that is).
+template <typename T>
+void copy_entries(const T* from, int64_t stride, int64_t count, int64_t* to, int64_t* lo, int64_t* hi,
+                  int64_t* hi_pos) {
+  int64_t low = *lo, high = *hi, where = -1;
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t slot = static_cast<int64_t>(from[j * stride]);
+    to[j] = slot;
+    low = std::min(low, slot);
+    if (slot > high) high = slot, where = j;
+  }
+  *lo = low, *hi = high, *hi_pos = where;
+}
+
+// The batch as the kernel will run it: table rows, lengths and tree mask checked against each other and the
+// table; every entry it reads copied and checked to be a slot (>= 0), the largest recorded for attend().
+std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t>& rows,
+                           const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
+                           const c10::optional<torch::Tensor>& tree_mask) {
+  TORCH_CHECK(table.device().is_cpu() && (!tree_mask.has_value() || tree_mask->device().is_cpu()),
+              "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
+  TORCH_CHECK(table.dim() == 2 && (table.scalar_type() == at::kInt || table.scalar_type() == at::kLong),
+              "attnhost-cpukernels: req_to_token must be a 2-D int32 or int64 tensor, got ", table.scalar_type(),
+              " ", table.sizes());
+  const int64_t batch = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(static_cast<int64_t>(prefix.size()) == batch && static_cast<int64_t>(extend.size()) == batch,
+              "attnhost-cpukernels: the batch has ", batch, " table rows but ", prefix.size(), " prefix lengths and ",
+              extend.size(), " extend lengths; pass one of each per request");
+  auto p = std::make_shared<Plan>();
+  p->batch = batch;
+  p->meta.resize(static_cast<size_t>(batch) * kMetaFields);
+  const int64_t table_rows = table.size(0), width = table.size(1);
+  int64_t entries = 0, cells = 0, tokens = 0;
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t row = rows[r], pre = prefix[r], ext = extend[r];
+    TORCH_CHECK(row >= 0 && row < table_rows, "attnhost-cpukernels: request ", r, " of the batch names req_to_token row ",
+                row, ", outside the table's ", table_rows, " rows");
+    TORCH_CHECK(pre >= 0 && ext >= 1, "attnhost-cpukernels: request ", r, " of the batch has prefix_len ", pre,
+                " and extend_len ", ext, "; they must be >= 0 and >= 1");
+    TORCH_CHECK(pre <= width - ext, "attnhost-cpukernels: request ", r, " of the batch reads ", pre, " + ", ext,
+                " positions of req_to_token row ", row, ", which has ", width, " columns");
+    int64_t* m = p->meta.data() + r * kMetaFields;
+    m[0] = entries, m[1] = pre, m[2] = ext, m[3] = tokens, m[4] = cells;
+    int64_t square = 0;  // a table may be a view as wide as int64 allows (an expanded one owns no memory)
+    TORCH_CHECK(!__builtin_add_overflow(entries, pre + ext, &entries) && !__builtin_add_overflow(tokens, ext, &tokens) &&
+                    !__builtin_mul_overflow(ext, ext, &square) && !__builtin_add_overflow(cells, square, &cells),
+                "attnhost-cpukernels: the batch's lengths overflow int64 at request ", r);
+  }
+  p->tokens = tokens;
+  p->slots.resize(static_cast<size_t>(entries));
+  const bool int32 = table.scalar_type() == at::kInt;
+  for (int64_t r = 0; r < batch; ++r) {
+    const int64_t* m = p->meta.data() + r * kMetaFields;
+    const int64_t row = rows[r], count = m[1] + m[2];
+    int64_t lo = 0, hi = p->max_slot, hi_pos = -1;
+    int64_t* to = p->slots.data() + m[0];
+    if (int32)
+      copy_entries(table.data_ptr<int32_t>() + row * table.stride(0), table.stride(1), count, to, &lo, &hi, &hi_pos);
+    else
+      copy_entries(table.data_ptr<int64_t>() + row * table.stride(0), table.stride(1), count, to, &lo, &hi, &hi_pos);
+    if (lo < 0) {
+      const int64_t j = std::find_if(to, to + count, [](int64_t s) { return s < 0; }) - to;
+      TORCH_CHECK(false, "attnhost-cpukernels: req_to_token[", row, ", ", j, "] = ", to[j], " (request ", r,
+                  " of the batch, which reads its first ", count, " entries) is not a slot; the table must name a "
+                  "slot of the KV cache for every token the batch reads");
+    }
+    if (hi_pos >= 0) p->max_slot = hi, p->max_request = r, p->max_row = row, p->max_pos = hi_pos;
+  }
+  if (tree_mask.has_value()) {
+    const torch::Tensor& mask = *tree_mask;
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.size(0) == cells,
+                "attnhost-cpukernels: the tree mask must be a 1-D bool tensor of ", cells,
+                " entries (one extend_len x extend_len block per request), got ", mask.scalar_type(), " ",
+                mask.sizes());
+    const torch::Tensor dense = mask.contiguous();
+    const uint8_t* bytes = static_cast<const uint8_t*>(dense.data_ptr());
+    p->mask.resize(static_cast<size_t>(cells));
+    for (int64_t i = 0; i < cells; ++i) p->mask[i] = bytes[i] != 0;
+    p->has_mask = true;
+  }
+  return p;
+}
 
 // The batch's new K/V rows written at their slots, in the cache's own dtype: the cache write fused into the
 // attention call. As a separate torch op per buffer (index_copy_) it cost more than the attention of a short
@@ -88,40 +189,48 @@ void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::T
 }  // namespace
 
 // q: [T, heads, dim] or [T, heads * dim]; k_buffer/v_buffer: [slots, kv_heads, dim] (any strides, the last 1);
-// table: req_to_token (int32 or int64, any strides); meta: [B, 5] int64 on the CPU (see kernel.h). With new_k,
-// new_v and loc, the new tokens' K/V are first written at slots loc (see write_new_kv).
-torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
-                     const torch::Tensor& table, const torch::Tensor& meta, const c10::optional<torch::Tensor>& mask,
+// plan: the batch's, from plan(). With new_k, new_v and loc, the new tokens' K/V are first written at slots loc
+// (see write_new_kv). Every check here is O(1) (no scan of the batch): the plan did those once per batch.
+torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, const Plan& plan,
                      int64_t heads, int64_t kv_heads, int64_t dim, double scale,
                      const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
                      const c10::optional<torch::Tensor>& loc) {
   TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
               "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
   const bool new_on_cpu = !new_k.has_value() || (new_k->is_cpu() && new_v->is_cpu() && loc->is_cpu());
-  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && table.device().is_cpu() &&
-                  new_on_cpu,
+  TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && new_on_cpu,
               "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
-  torch::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
-  const int64_t tokens = q.size(0);
+  TORCH_CHECK(heads >= 1 && kv_heads >= 1 && dim >= 1 && heads <= INT_MAX && dim <= INT_MAX && heads % kv_heads == 0,
+              "attnhost-cpukernels: the layer's num_heads=", heads, ", num_kv_heads=", kv_heads, ", head_dim=", dim,
+              " are not a layer: all must be positive and num_heads a multiple of num_kv_heads");
+  const bool flat = q_in.dim() == 2;
+  TORCH_CHECK((flat || q_in.dim() == 3) && q_in.size(0) == plan.tokens &&
+                  (flat ? q_in.size(1) == heads * dim : q_in.size(1) == heads && q_in.size(2) == dim),
+              "attnhost-cpukernels: q must be [", plan.tokens, ", ", heads, ", ", dim, "] (or flat [", plan.tokens,
+              ", ", heads * dim, "]) for this batch's ", plan.tokens, " new tokens and the layer's ", heads,
+              " heads of ", dim, ", got ", q_in.sizes());
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) == kv_heads && k.size(2) == dim && v.size(1) == kv_heads &&
                   v.size(2) == dim,
               "attnhost-cpukernels: the K/V buffers must be [slots, ", kv_heads, ", ", dim, "], got ", k.sizes(),
               " and ", v.sizes());
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attnhost-cpukernels: the K/V buffers' head_dim must be dense");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attnhost-cpukernels: K and V buffers differ in dtype");
-  TORCH_CHECK(table.dim() == 2 && (table.scalar_type() == at::kInt || table.scalar_type() == at::kLong),
-              "attnhost-cpukernels: req_to_token must be a 2-D int32 or int64 tensor");
-  TORCH_CHECK(meta.is_contiguous() && meta.scalar_type() == at::kLong && meta.dim() == 2 && meta.size(1) == kMetaFields,
-              "attnhost-cpukernels: bad batch metadata");
+  const int64_t slots = std::min(k.size(0), v.size(0));
+  TORCH_CHECK(plan.max_slot < slots, "attnhost-cpukernels: req_to_token[", plan.max_row, ", ", plan.max_pos,
+              "] = ", plan.max_slot, " (request ", plan.max_request, " of the batch) is not a slot of this layer's "
+              "K/V buffers (", slots, " slots); the table must name a slot of the KV cache for every token the "
+              "batch reads");
+  const DType q_dtype = dtype_of(q_in, "q"), kv_dtype = dtype_of(k, "the KV cache");
+  torch::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
   if (new_k.has_value()) write_new_kv(k, v, *new_k, *new_v, *loc);
   auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t batch = meta.size(0);
-  if (batch == 0 || tokens == 0) return out;
+  const int64_t batch = plan.batch;
+  if (batch == 0) return out;
 
   Problem p{};
   p.q = q.data_ptr();
   p.q_tok = q.stride(0);
-  p.q_head = q.dim() == 2 ? dim : q.stride(1);
+  p.q_head = flat ? dim : q.stride(1);
   p.out = out.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
@@ -129,18 +238,11 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   p.k_head = k.stride(1);
   p.v_slot = v.stride(0);
   p.v_head = v.stride(1);
-  p.table = table.data_ptr();
-  p.t_row = table.stride(0);
-  p.t_col = table.stride(1);
-  p.table_int32 = table.scalar_type() == at::kInt;
-  p.meta = meta.data_ptr<int64_t>();
-  p.tree_mask = nullptr;
-  if (mask.has_value()) {
-    TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous(), "attnhost-cpukernels: bad tree mask");
-    p.tree_mask = mask->data_ptr<bool>();
-  }
-  p.q_dtype = dtype_of(q, "q");
-  p.kv_dtype = dtype_of(k, "the KV cache");
+  p.slots = plan.slots.data();
+  p.meta = plan.meta.data();
+  p.tree_mask = plan.has_mask ? plan.mask.data() : nullptr;
+  p.q_dtype = q_dtype;
+  p.kv_dtype = kv_dtype;
   p.heads = static_cast<int>(heads);
   p.kv_heads = static_cast<int>(kv_heads);
   p.dim = static_cast<int>(dim);
@@ -244,9 +346,21 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnhost-cpukernels: paged attention over a token-slot KV cache, read in place";
+  pybind11::class_<cpukernels::Plan, std::shared_ptr<cpukernels::Plan>>(
+      m, "Plan", "one batch's checked metadata, from plan(); attend() runs a layer of that batch")
+      .def_property_readonly("batch_size", [](const cpukernels::Plan& p) { return p.batch; })
+      .def_property_readonly("num_tokens", [](const cpukernels::Plan& p) { return p.tokens; })
+      .def_property_readonly("max_slot", [](const cpukernels::Plan& p) { return p.max_slot; })
+      .def("__repr__", [](const cpukernels::Plan& p) {
+        return "<_attnhost_cpukernels.Plan: " + std::to_string(p.batch) + " requests, " + std::to_string(p.tokens) +
+               " new tokens, slots up to " + std::to_string(p.max_slot) + (p.has_mask ? ", tree mask>" : ">");
+      });
+  m.def("plan", &cpukernels::plan, "check a batch's metadata once and copy the slots it reads",
+        pybind11::arg("req_to_token"), pybind11::arg("req_pool_indices"), pybind11::arg("prefix_lens"),
+        pybind11::arg("extend_lens"), pybind11::arg("tree_mask") = pybind11::none());
   m.def("attend", &cpukernels::attend, "attention of a batch's new tokens over the cache", pybind11::arg("q"),
-        pybind11::arg("k_buffer"), pybind11::arg("v_buffer"), pybind11::arg("req_to_token"), pybind11::arg("meta"),
-        pybind11::arg("tree_mask"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+        pybind11::arg("k_buffer"), pybind11::arg("v_buffer"), pybind11::arg("plan"), pybind11::arg("num_heads"),
+        pybind11::arg("num_kv_heads"),
         pybind11::arg("head_dim"), pybind11::arg("scaling"), pybind11::arg("new_k") = pybind11::none(),
         pybind11::arg("new_v") = pybind11::none(), pybind11::arg("loc") = pybind11::none());
   m.attr("isa") = cpukernels::kIsa.name;

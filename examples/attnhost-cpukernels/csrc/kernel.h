@@ -16,11 +16,10 @@ struct Problem {
   const void* k;  // cache [slots, kv_heads, dim]: strides k_slot, k_head, 1
   const void* v;
   int64_t k_slot, k_head, v_slot, v_head;
-  const void* table;  // req_to_token [rows, max_context]: strides t_row, t_col; int32 or int64
-  int64_t t_row, t_col;
-  bool table_int32;
-  const int64_t* meta;  // per request: table row, prefix_len, extend_len, first query token, tree-mask offset
-  const bool* tree_mask;  // nullptr: causal among the new tokens
+  const int64_t* slots;  // the plan's copy of the req_to_token entries the batch reads, checked against the cache
+  const int64_t* meta;  // per request: its first entry in slots, prefix_len, extend_len, first query token,
+                        // tree-mask offset
+  const uint8_t* tree_mask;  // nullptr: causal among the new tokens; else 0 or 1 per (new token, new token)
   float* partials;  // per split-context unit: rows x (dim + 2) floats (acc, max, sum)
   DType q_dtype, kv_dtype;
   int heads, kv_heads, dim;
@@ -37,9 +36,6 @@ struct Unit {
 };
 
 constexpr int kMetaFields = 5;
-
-// Rows a unit may hold (heads * query tokens): sizes the per-thread scratch.
-constexpr int kMaxRows = 64;
 
 void run_unit_base(const Problem& p, const Unit& u);
 void run_unit_avx2(const Problem& p, const Unit& u);

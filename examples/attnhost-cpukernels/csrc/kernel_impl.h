@@ -4,7 +4,8 @@
 //
 // What one unit does: single-pass online softmax over a block of keys at a time, for all query rows (query
 // heads x new tokens) that share a KV head at once, so every K/V row fetched from memory is used by all of them.
-// Keys are read in place through req_to_token; the rows of the next block are prefetched while this one runs.
+// Keys are read in place through the batch's slots (the plan's checked copy of its req_to_token entries); the
+// rows of the next block are prefetched while this one runs.
 
 #include <algorithm>
 #include <cmath>
@@ -143,11 +144,6 @@ static inline void from_float(void* base, int64_t i, float x, DType t) {
     case DType::kBFloat16: static_cast<uint16_t*>(base)[i] = float_to_bf16(x); break;
     default: static_cast<uint16_t*>(base)[i] = float_to_fp16(x); break;
   }
-}
-
-static inline int64_t slot_at(const Problem& p, int64_t row, int64_t pos) {
-  int64_t at = row * p.t_row + pos * p.t_col;
-  return p.table_int32 ? static_cast<const int32_t*>(p.table)[at] : static_cast<const int64_t*>(p.table)[at];
 }
 
 // Scores of rows [r0, r0 + 4) (or fewer) against one key row: the key is loaded once for all of them.
@@ -366,7 +362,7 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   const int64_t nq = u.q1 - u.q0;
   const int rows_per_head = static_cast<int>(nq) * group, rows = rows_per_head * nh;
   const int64_t* meta = p.meta + u.request * kMetaFields;
-  const int64_t table_row = meta[0], prefix = meta[1], extend = meta[2], q_first = meta[3], mask_off = meta[4];
+  const int64_t first_slot = meta[0], prefix = meta[1], extend = meta[2], q_first = meta[3], mask_off = meta[4];
   const bool tree = p.tree_mask != nullptr;
   const bool direct = p.kv_dtype == DType::kFloat32;
   const int es = p.kv_dtype == DType::kFloat32 ? 4 : 2;
@@ -400,7 +396,7 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   const float* vp[KB];
   auto fetch_slots = [&](int64_t from, int64_t* out) {
     const int64_t n = std::min<int64_t>(KB, u.k1 - from);
-    for (int64_t j = 0; j < n; ++j) out[j] = slot_at(p, table_row, from + j);
+    std::memcpy(out, p.slots + first_slot + from, sizeof(int64_t) * n);
     return n;
   };
   int64_t n_next = u.k0 < u.k1 ? fetch_slots(u.k0, next) : 0;
@@ -519,8 +515,12 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
     for (int64_t t = 0; t < nq; ++t)
       for (int g = 0; g < group; ++g) {
         const int r = (hl * static_cast<int>(nq) + static_cast<int>(t)) * group + g;
-        const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
         const int64_t base = ((q_first + u.q0 + t) * p.heads + (u.h0 + hl) * group + g) * dim;
+        if (sc.l[r] == 0.f) {  // a query that sees no key gets zeros, not 0 x whatever its masked values hold
+          for (int d = 0; d < dim; ++d) from_float(p.out, base + d, 0.f, p.q_dtype);
+          continue;
+        }
+        const float inv = 1.f / sc.l[r];
         const float* a = sc.acc.data() + r * ld;
         if (p.q_dtype == DType::kFloat32) {
           float* o = static_cast<float*>(p.out) + base;

@@ -91,6 +91,7 @@ def _reference(q: torch.Tensor, layer: AttentionLayer, batch: ForwardBatch) -> t
             allowed[:, prefix:] = batch.tree_mask[cell : cell + extend * extend].view(extend, extend)
             cell += extend * extend
         weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        weights = weights.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # a query that sees no key gets zeros
         outs.append(torch.einsum("hqk,khd->qhd", weights, v))
     return torch.cat(outs)
 
@@ -170,6 +171,61 @@ def test_tree_mask(threads: int, dtype: torch.dtype) -> None:
     pool = _pool(2, 64, dtype, True)
     tree = torch.cat([m.flatten() for m in masks])
     _check(_batch(pool, ForwardMode.TARGET_VERIFY, requests, gen, tree), layer, dtype, gen, flat=True)
+
+
+def _blocks(*rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Tree-mask blocks from each request's rows (the new tokens each new token sees), concatenated."""
+    out = []
+    for block in rows:
+        mask = torch.zeros(len(block), len(block), dtype=torch.bool)
+        for j, seen in enumerate(block):
+            mask[j, list(seen)] = True
+        out.append(mask.flatten())
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_query_that_sees_no_key_gets_zeros(threads: int, dtype: torch.dtype) -> None:
+    """A tree row that is all False over an empty prefix: the contract's zeros, beside rows that see keys."""
+    gen = torch.Generator().manual_seed(19)
+    layer = AttentionLayer(0, 8, 2, 64)
+    pool = _pool(2, 64, dtype, True)
+    requests = [(0, 0, 4), (1, 20, 3), (4, 0, 1)]
+    tree = _blocks([[], [1], [], [0, 3]], [[0], [], [0, 2]], [[]])
+    batch = _batch(pool, ForwardMode.TARGET_VERIFY, requests, gen, tree)
+    _check(batch, layer, dtype, gen)  # against the reference, whose rows without a key are zeros
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    q = torch.randn(8, 8, 64, generator=gen).to(dtype)
+    out = backend.forward(q, q[:, :2], q[:, 2:4], layer, batch)
+    assert torch.equal(out[[0, 2, 7]], torch.zeros(3, 8, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_query_that_sees_no_key_gets_zeros_whatever_the_masked_slots_hold(threads: int, dtype: torch.dtype) -> None:
+    """Not 0 x NaN: the masked keys' slots hold NaN here (as an unwritten slot of a real cache may)."""
+    gen = torch.Generator().manual_seed(23)
+    layer = AttentionLayer(0, 8, 2, 64)
+    pool = _pool(2, 64, dtype, False)
+    batch = _batch(pool, ForwardMode.TARGET_VERIFY, [(0, 0, 3), (4, 0, 1)], gen, _blocks([[], [], []], [[]]))
+    pool.k_buffer(0)[batch.out_cache_loc] = float("nan")
+    pool.v_buffer(0)[batch.out_cache_loc] = float("nan")
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    q = torch.randn(4, 8, 64, generator=gen).to(dtype)
+    out = backend.forward(q, q[:, :2], q[:, :2], layer, batch, save_kv_cache=False)
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+@pytest.mark.parametrize("sees_itself", [False, True])
+def test_a_tree_row_over_a_split_context(threads: int, sees_itself: bool) -> None:
+    """One new token over a long prefix (with two threads its context is split and merged): its one-cell tree
+    block decides whether it sees itself; the prefix it always sees."""
+    gen = torch.Generator().manual_seed(29)
+    layer = AttentionLayer(0, 8, 2, 128)
+    pool = _pool(2, 128, torch.float32, False, slots=4096)
+    tree = torch.tensor([sees_itself])
+    _check(_batch(pool, ForwardMode.TARGET_VERIFY, [(0, 1500, 1)], gen, tree), layer, torch.float32, gen)
 
 
 def test_decode_requests_sharing_prefix_slots(threads: int) -> None:
