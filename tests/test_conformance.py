@@ -36,6 +36,27 @@ class TestTorchNativeConformance(BackendConformance):
     expect_draft = False
 
 
+def test_a_non_finite_reference_never_passes_as_agreement(request: pytest.FixtureRequest) -> None:
+    """A NaN in the reference makes every difference NaN, and NaN > tolerance is False: the kit must not read
+    that as agreement (a query that sees no key once gave the reference 0/0)."""
+    import torch
+
+    from attnhost.forward_mode import ForwardMode
+    from attnhost.host import get_registry
+
+    kit = TestTorchNativeConformance()
+    kit.name, kit.entry = "torch_native", get_registry().entry("torch_native")
+    kit._generator, kit._pytest_config = torch.Generator().manual_seed(0), request.config
+    runner = kit._runner()
+    step = kit._forward(runner, ForwardMode.EXTEND, [(runner.new_request(), 0, 5)], "prefill", check=False)
+    run = step.layers[0]
+    assert kit._output_error(run, step.batch) is None
+    poisoned = run.expected_v.clone()
+    poisoned[step.batch.out_cache_loc[2]] = float("nan")
+    problem = kit._output_error(run, step.batch, v_buffer=poisoned)
+    assert problem is not None and problem.startswith("max abs error nan exceeds 1e-05"), problem
+
+
 # -- subtly wrong backends, as installed distributions ------------------------------
 
 _PLUGIN = '''\
@@ -45,12 +66,12 @@ from attnhost import BackendSpec, hookimpl
 NAMES = (
     "correct", "off_by_a_thousandth", "wrong_slot", "no_prefix_offset", "leaky_global",
     "uses_arguments", "layer_zero", "float32_only", "bad_half", "bad_caps", "flat_heads", "flat_liar",
-    "tree_liar",
+    "tree_liar", "nan_tree",
 )
 _CLASSES = (
     "Correct", "OffByAThousandth", "WrongSlot", "NoPrefixOffset", "LeakyGlobal",
     "UsesArguments", "LayerZero", "Float32Only", "BadHalf", "BadCaps", "FlatHeads", "FlatLiar",
-    "TreeLiar",
+    "TreeLiar", "NaNTree",
 )
 
 
@@ -85,6 +106,7 @@ class Correct(AttentionBackend):
     attend_arguments = False  # with save_kv_cache=False, attend over the k/v arguments (the bug)
     write_layer = None  # a fixed layer to write every layer's K/V into (the bug)
     half_bug = False  # float16 output zeroed (a broken half-precision path)
+    honour_tree = False  # attend as forward_batch.tree_mask says, with a plain softmax
 
     def init_forward_metadata(self, forward_batch):
         pass
@@ -103,6 +125,7 @@ class Correct(AttentionBackend):
             pool.set_kv(target, loc, k, v)
         group = layer.num_heads // layer.num_kv_heads
         out = torch.empty_like(q)
+        cell = 0  # where request i's block starts in fb.tree_mask
         for i in range(fb.batch_size):
             start, new, prefix = fb.extend_start_loc_cpu[i], fb.extend_seq_lens_cpu[i], fb.prefix_lens_cpu[i]
             slots = pool.req_to_token[fb.req_pool_indices[i], : fb.seq_lens_cpu[i]]
@@ -116,6 +139,9 @@ class Correct(AttentionBackend):
             scores = torch.einsum("thd,shd->hts", q[start : start + new].double(), keys) * layer.scaling
             offset = prefix if self.prefix_offset else 0
             visible = torch.arange(len(slots)) <= offset + torch.arange(new)[:, None]
+            if self.honour_tree and fb.tree_mask is not None:
+                visible[:, prefix:] = fb.tree_mask[cell : cell + new * new].view(new, new)
+                cell += new * new
             weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
             out[start : start + new] = (torch.einsum("hts,shd->thd", weights, values) * self.scale).to(q.dtype)
         if self.half_bug and q.dtype == torch.float16:
@@ -188,6 +214,13 @@ class TreeLiar(Correct):
     capabilities = BackendCapabilities(tree_mask=True)
 
 
+class NaNTree(Correct):
+    """Honours tree_mask, with a softmax that gives a query seeing no key 0/0: NaN, not zeros (the bug)."""
+
+    capabilities = BackendCapabilities(tree_mask=True)
+    honour_tree = True
+
+
 '''
 
 # The shorthand's class has no docstring, so inspect would describe it with AttentionBackend's.
@@ -197,6 +230,7 @@ from attnhost import AttentionBackend
 
 class NoDocstring(AttentionBackend):
     scale, roll_slots, prefix_offset, attend_arguments, write_layer, half_bug = 1.0, False, True, False, None, False
+    honour_tree = False
 
     def init_forward_metadata(self, forward_batch):
         pass
@@ -289,6 +323,10 @@ class TestTreeLiar(BackendConformance):
     backend_name = "tree_liar"
 
 
+class TestNaNTree(BackendConformance):
+    backend_name = "nan_tree"
+
+
 class TestNoDocstring(BackendConformance):
     backend_name = "nodoc"
 
@@ -311,6 +349,7 @@ KIT_TESTS = (
     "test_batch_of_requests_with_different_lengths",
     "test_target_verify_chain",
     "test_target_verify_tree",
+    "test_a_query_that_sees_no_key_gets_zeros",
     "test_draft_extend",
     "test_draft_decode_over_branch_rows",
     "test_head_layouts_mha_gqa_mqa[mha-4-4]",
@@ -441,7 +480,8 @@ def test_kit_has_at_least_ten_tests() -> None:
 
 def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str], Outcome]) -> None:
     results = outcomes(kit_results, "TestCorrect")
-    skipped = {"test_flat_heads_layout", "test_target_verify_tree"}  # capabilities it does not declare
+    # capabilities it does not declare
+    skipped = {"test_flat_heads_layout", "test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}
     assert {name for name, outcome in results.items() if outcome.status != "passed"} == skipped
     assert {results[name].status for name in skipped} == {"skipped"}
 
@@ -463,7 +503,8 @@ def test_kit_fails_an_output_off_by_a_thousandth(kit_results: dict[tuple[str, st
 def test_kit_holds_a_backend_to_the_flat_heads_it_declares(kit_results: dict[tuple[str, str], Outcome]) -> None:
     assert outcomes(kit_results, "TestCorrect")["test_flat_heads_layout"].status == "skipped"
     keeps = outcomes(kit_results, "TestFlatHeads")
-    assert {o.status for name, o in keeps.items() if name != "test_target_verify_tree"} == {"passed"}
+    trees = {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}  # not declared: skipped
+    assert {o.status for name, o in keeps.items() if name not in trees} == {"passed"}
     liar = outcomes(kit_results, "TestFlatLiar")
     assert failed(liar) == {"test_flat_heads_layout"}
     assert liar["test_flat_heads_layout"].message.startswith(
@@ -477,7 +518,14 @@ def test_kit_catches_a_backend_that_declares_trees_but_ignores_the_mask(
     correct = outcomes(kit_results, "TestCorrect")["test_target_verify_tree"]
     assert correct.status == "skipped" and "does not declare tree_mask" in correct.message, correct.message
     liar = outcomes(kit_results, "TestTreeLiar")
-    assert failed(liar) == {"test_target_verify_tree"}  # chains, draft-extend and branch rows are causal: right
+    # chains, draft-extend and branch rows are causal: right; a query that should see no key sees itself
+    assert failed(liar) == {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}
+    blind = liar["test_a_query_that_sees_no_key_gets_zeros"].message
+    assert re.match(
+        r"a query that sees no key \(float32\): backend 'tree_liar' gives values up to \S+ instead of zeros for "
+        r"request 0, token 1 \(layer 0\), whose tree row is all False with no prefix",
+        blind,
+    ), blind
     message = liar["test_target_verify_tree"].message
     assert re.match(
         r"target-verify tree \(float32\), topk 2 and 3: max abs error \S+ exceeds 1e-05 \(float32, 8 heads / 2 KV "
@@ -485,6 +533,20 @@ def test_kit_catches_a_backend_that_declares_trees_but_ignores_the_mask(
         message,
     ), message
     assert reported_error(message) > 1e-2, message  # seeing a sibling's branch is no rounding error
+
+
+def test_kit_fails_a_backend_that_gives_nan_for_a_query_that_sees_no_key(
+    kit_results: dict[tuple[str, str], Outcome],
+) -> None:
+    """The contract: a query that sees no key gets zeros. A plain softmax over no key is 0/0; the kit says so."""
+    results = outcomes(kit_results, "TestNaNTree")
+    assert failed(results) == {"test_a_query_that_sees_no_key_gets_zeros"}  # every other tree case is right
+    assert results["test_target_verify_tree"].status == "passed"
+    message = results["test_a_query_that_sees_no_key_gets_zeros"].message
+    assert message.startswith(
+        "a query that sees no key (float32): backend 'nan_tree' gives NaN for request 0, token 1 (layer 0), whose "
+        "tree row is all False with no prefix, so it sees no key; the contract gives such a query zeros"
+    ), message
 
 
 def test_kit_fails_kv_written_to_the_wrong_slot(kit_results: dict[tuple[str, str], Outcome]) -> None:
@@ -666,3 +728,117 @@ def test_node_ids_of_a_failing_run_can_be_pasted_back(broken_site: Path, tmp_pat
     assert again.returncode == 1, again.stdout + again.stderr
     expected = {name: o.status for (_, name), o in results.items() if o.status == "failed"}
     assert {name: o.status for (_, name), o in rerun.items()} == expected, again.stdout
+
+
+@pytest.mark.parametrize("value", ["", "correct,", " , ", "correct,,nope"])
+def test_a_blank_backend_name_is_a_usage_error(broken_site: Path, tmp_path: Path, value: str) -> None:
+    """Not "no tests ran" (exit 5), which reads as a broken kit: one line naming the option's value, exit 4."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--attnhost-backend", value],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=subprocess_env([broken_site], {"XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}),
+        timeout=120,
+    )
+    assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        f"ERROR: --attnhost-backend {value!r}: a blank backend name; give registered names, separated by commas "
+        "(e.g. --attnhost-backend torch_native; `attnhost list` shows them)"
+    ], proc.stderr
+
+
+# A backend whose factory module takes long to import and whose first build takes long to return: each waits
+# until the kit has named it (a logging handler opens its gate), so no timing decides the test, and without the
+# warning the wait ends in an assertion after a minute.
+_SLOW_PLUGIN = """\
+from attnhost import BackendSpec, hookimpl
+
+
+@hookimpl
+def attnhost_attention_backends():
+    return [BackendSpec(name="slow", factory="attnhost_slow.impl:SlowBackend", description="a slow factory")]
+"""
+
+_SLOW_IMPL = '''\
+import slow_gate
+
+assert slow_gate.warned["importing the factory"].wait(60), "no warning named the slow import of the factory"
+
+from attnhost_broken.impl import Correct
+
+
+class SlowBackend(Correct):
+    """Correct numerics; its build waits until the kit has named it."""
+
+    def __init__(self, runner=None):
+        super().__init__(runner)
+        assert slow_gate.warned["building backend"].wait(60), "no warning named the slow build"
+'''
+
+_SLOW_GATE = """\
+import threading
+
+warned = {"importing the factory": threading.Event(), "building backend": threading.Event()}
+"""
+
+# Loaded with `-p`: the watch's threshold lowered (as tests of discovery's own watch do), and the gates opened by
+# the kit's warning, seen on the "attnhost" logger after the kit's own handler has written it to the terminal.
+_SLOW_THRESHOLD = """\
+import logging
+
+import attnhost.discovery
+import slow_gate
+
+attnhost.discovery.SLOW_IMPORT_WARNING_S = 0.5
+
+
+class _Gate(logging.Handler):
+    def emit(self, record):
+        for doing, event in slow_gate.warned.items():
+            if record.getMessage().startswith("still " + doing):
+                event.set()
+
+
+logging.getLogger("attnhost").addHandler(_Gate())
+"""
+
+
+def test_a_slow_factory_is_named_on_the_terminal_while_pytest_waits(broken_site: Path, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_dist(
+        site,
+        "attnhost-slow",
+        "0.1",
+        {GROUP: {"slow": "attnhost_slow"}},
+        modules={
+            "attnhost_slow": _SLOW_PLUGIN,
+            "attnhost_slow.impl": _SLOW_IMPL,
+            "slow_gate": _SLOW_GATE,
+            "slow_threshold": _SLOW_THRESHOLD,
+        },
+    )
+    project = tmp_path / "project"
+    project.mkdir()
+    proc, results = run_pytest(
+        ["-p", "slow_threshold", "--attnhost-backend", "slow", "-k", "target_runner_builds"],
+        cwd=project,
+        path_entries=[site, broken_site],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [o.status for o in results.values()] == ["passed"]
+    plugin = "plugin 'slow' (distribution attnhost-slow 0.1)"
+    hangs = (
+        "after 0.5 s; waiting for it — if it hangs, press Ctrl-C: pytest shows where it waits (--full-trace: the "
+        "whole stack)"
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("attnhost: warning: ")]
+    # on the terminal, not in a captured section: the test passed, so pytest printed no captured output
+    assert (
+        f"attnhost: warning: still importing the factory 'attnhost_slow.impl:SlowBackend' of backend 'slow' "
+        f"({plugin}) {hangs}" in lines
+    ), proc.stdout
+    assert (
+        f"attnhost: warning: still building backend 'slow' ({plugin}) for a target runner: its factory "
+        f"'attnhost_slow.impl:SlowBackend' has not returned {hangs}" in lines
+    ), proc.stdout

@@ -539,6 +539,39 @@ def test_a_tree_in_a_batch_of_one_token_requests_still_masks() -> None:
     assert max_error(backend.forward(q, k, v, layer, batch), q, layer, batch) < F32_TOL
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_a_query_that_sees_no_key_gets_zeros_found_once_per_batch(heads: int, kv_heads: int) -> None:
+    """The contract: a tree row all False in a request without a prefix gives zeros. The plan finds those rows
+    (and only those: a row that sees the prefix is an ordinary query); the float64 reference agrees."""
+    torch.manual_seed(0)
+    pool = make_pool(kv_heads)
+    backend = TorchNativeAttnBackend()
+    fresh, cached, lone = alloc(pool, 3)
+    run(backend, pool, ForwardMode.EXTEND, [(cached, 0, 9)], AttentionLayer(0, heads, kv_heads, HEAD_DIM))
+    pool.set_kv(1, pool.req_to_token[cached, :9], *(torch.randn(9, kv_heads, HEAD_DIM) for _ in "kv"))
+    fresh_block, cached_block = tree_mask([-1, 0, 0, 1]).view(4, 4), tree_mask([-1, 0, 0, 1]).view(4, 4)
+    fresh_block[1] = False  # sees no key
+    cached_block[2] = False  # sees the prefix only
+    mask = torch.cat([fresh_block.flatten(), cached_block.flatten(), torch.zeros(1, dtype=torch.bool)])
+    batch = ForwardBatch.prepare(
+        pool, ForwardMode.TARGET_VERIFY, [(fresh, 0, 4), (cached, 9, 4), (lone, 0, 1)], tree_mask=mask
+    )
+    backend.init_forward_metadata(batch)
+    plan = backend._plan
+    assert plan is not None
+    blind = [None if req.blind is None else req.blind.flatten().tolist() for req in plan.requests]
+    assert blind == [[False, True, False, False], None, [True]]
+    for layer_id in (0, 1):
+        layer = AttentionLayer(layer_id, heads, kv_heads, HEAD_DIM)
+        q, k, v = new_tokens(batch, layer)
+        out = backend.forward(q, k, v, layer, batch)
+        ref = reference_attention(q, layer, batch)
+        assert torch.equal(ref[[1, 8]], torch.zeros(2, heads, HEAD_DIM, dtype=torch.float64))
+        assert torch.equal(out[[1, 8]], torch.zeros(2, heads, HEAD_DIM))
+        assert float((out.double() - ref).abs().max()) < F32_TOL
+        assert bool((ref[[0, 2, 3, 4, 5, 6, 7]].abs().amax(dim=(1, 2)) > 0).all()), "the other rows attend"
+
+
 def test_tree_masks_are_built_once_per_batch() -> None:
     """Per-layer work does not grow with a tree: the second layer reuses the first layer's masks."""
     pool = make_pool(2)
@@ -580,10 +613,15 @@ def test_prepare_refuses_a_tree_mask_that_does_not_fit(
 def test_forward_batch_checks_its_tree_mask_and_keeps_it_on_the_cache_device() -> None:
     pool = make_pool()
     (r,) = alloc(pool, 1)
-    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 2)], tree_mask=torch.tensor([1, 0, 1, 1]))
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 2)], tree_mask=torch.tensor([1, 0, 1, 1]).bool())
     assert batch.tree_mask is not None and batch.tree_mask.dtype == torch.bool
     assert batch.tree_mask.tolist() == [True, False, True, True] and batch.tree_mask.device == pool.device
     with pytest.raises(ValueError, match="IDLE batches take no tree_mask"):
         dataclasses.replace(ForwardBatch.prepare(pool, ForwardMode.IDLE, []), tree_mask=torch.ones(0, dtype=torch.bool))
     with pytest.raises(ValueError, match="must be a bool tensor"):
         dataclasses.replace(batch, tree_mask=torch.ones(4))
+    additive = torch.tensor([0.0, float("-inf"), 0.0, 0.0])  # the same tree as an additive mask: never converted
+    for mask in (additive, torch.tensor([1, 0, 1, 1])):
+        with pytest.raises(ValueError, match=r"must be a bool tensor \(True: the token may attend\), got torch"):
+            ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 2, 2)], tree_mask=mask)
+    assert pool.available_slots == pool.num_slots - 2  # the refused batches took no slot

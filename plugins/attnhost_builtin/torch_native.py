@@ -28,7 +28,11 @@ choices shape the code:
 A speculative tree (``ForwardBatch.tree_mask``) changes only which mask a
 request gets: its prefix columns all visible, then its own block of the tree
 mask. It is built once per batch with the causal masks, so a tree verify costs
-per layer what a chain verify of the same size costs (BENCHMARKS.md).
+per layer what a chain verify of the same size costs (BENCHMARKS.md). A tree
+row that is all False in a request without a prefix leaves its query no key;
+the contract gives it zeros, which SDPA does not promise for a row that may
+attend nowhere (older releases gave NaN), so the plan finds those rows once
+and the layers zero them.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ class _RequestPlan:
     kv_index: torch.Tensor | None  # gather indices when the slots are fragmented
     tree: torch.Tensor | None = None
     """``[q_len, q_len]`` bool: which of its new tokens each new token sees (a speculative tree); None: causal."""
+    blind: torch.Tensor | None = None
+    """``[q_len, 1, 1]`` bool, True for a new token that sees no key (a tree row all False, no prefix): its
+    output is zeros. None (nearly always): every token sees a key."""
     head_index: dict[int, torch.Tensor] = field(default_factory=dict)
     """``kv_index`` as head-major rows (``_head_rows``), by KV head count; built on the first layer."""
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
@@ -330,6 +337,13 @@ def _plan_trees(plans: list[_RequestPlan], tree_mask: torch.Tensor) -> None:
     for plan, block in zip(plans, blocks, strict=True):
         if plan.q_len > 1 or not single_all_true:
             plan.tree = block.view(plan.q_len, plan.q_len)
+    # A token sees no key only where a request without a prefix has an all-False tree row; one sync finds them.
+    blind = [(plan, ~plan.tree.any(dim=1)) for plan in plans if plan.tree is not None and plan.prefix_len == 0]
+    if blind:
+        found = torch.stack([rows.any() for _, rows in blind]).tolist()
+        for (plan, rows), any_blind in zip(blind, found, strict=True):
+            if any_blind:
+                plan.blind = rows.view(-1, 1, 1)
 
 
 def _decode_chunks(
@@ -462,12 +476,25 @@ def _attend_request(
     layer: AttentionLayer,
     req: _RequestPlan,
 ) -> torch.Tensor:
-    """SDPA for one request: ``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[seq, kv_heads, dim]``.
+    """SDPA for one request: ``q`` ``[tokens, heads, dim]``, ``k``/``v`` ``[seq, kv_heads, dim]``; a token that
+    sees no key (``req.blind``) gets zeros.
 
     Inputs are given SDPA as 4-D ``[1, heads, len, dim]`` views: on CPU only
     4-D inputs reach the fused flash kernel; 3-D ones take the slower math
     path.
     """
+    out = _sdpa_request(q, k, v, layer, req)
+    return out if req.blind is None else out.masked_fill(req.blind, 0.0)
+
+
+def _sdpa_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: AttentionLayer,
+    req: _RequestPlan,
+) -> torch.Tensor:
+    """:func:`_attend_request`'s SDPA call, in the layout that is fastest for the request."""
     group = layer.num_heads // layer.num_kv_heads
     k_h, v_h = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # views
     if k_h.dtype != q.dtype:

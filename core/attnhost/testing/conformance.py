@@ -32,8 +32,15 @@ backend's declared ``capabilities.head_dims`` exclude it), ``seed`` and
 
 The speculative batches (verify as a chain and as a tree, draft-extend, draft
 decode over branch rows that share their request's prefix slots) run in every
-float dtype the backend declares; the tree cases only for a backend that
-declares ``capabilities.tree_mask``.
+float dtype the backend declares; the tree cases, among them a query that sees
+no key and must get zeros, only for a backend that declares
+``capabilities.tree_mask``.
+
+A factory whose import or build is still running after
+``attnhost.discovery.SLOW_IMPORT_WARNING_S`` (the threshold of ``attnhost
+list``'s slow-import warning) is named on the terminal while pytest waits for
+it (:mod:`attnhost.testing.watch`): pytest would otherwise show nothing until
+the test ends, which for a hung factory is never.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from attnhost.availability import check_availability
 from attnhost.backend import FLOAT_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities, capabilities_of
 from attnhost.context import dispatch_attention_backend, get_attn_backend
 from attnhost.discovery import PluginInfo
+from attnhost.errors import printable
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
@@ -66,6 +74,7 @@ from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
 from attnhost.testing.reference import reference_attention, tree_mask
+from attnhost.testing.watch import watch_slow
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
 
@@ -77,6 +86,7 @@ class ConformanceWarning(UserWarning):
 Request = tuple[int, int, int]
 _STAMPS = ("prefill_attention_backend_str", "decode_attention_backend_str")
 _MISSING = object()
+_HANGS = "waiting for it — if it hangs, press Ctrl-C: pytest shows where it waits (--full-trace: the whole stack)"
 
 
 def _fail(message: str) -> NoReturn:
@@ -164,6 +174,7 @@ class BackendConformance:
     name: str
     entry: BackendEntry
     _generator: torch.Generator
+    _pytest_config: pytest.Config
     _flat_queries = False  # test_flat_heads_layout: queries as [T, heads * head_dim]
 
     # -- set-up ---------------------------------------------------------------------
@@ -183,13 +194,24 @@ class BackendConformance:
             _fail(_missing_backend_message(attnhost_backend_name))
         self.name = canonical
         self.entry = registry.entry(canonical)
+        self._pytest_config = request.config
         # A private generator: the kit must not move torch's global RNG either.
         self._generator = torch.Generator().manual_seed(self.seed)
         if request.node.originalname != "test_spec_factory_importable_and_available" and self.entry.spec.implemented:
             try:  # one failure says why (test_spec_factory_importable_and_available); the rest would only repeat it
-                self.entry.spec.load()
+                self._load_factory()
             except Exception:
                 pytest.skip(f"factory not importable: see test_spec_factory_importable_and_available[{self.name}]")
+
+    def _load_factory(self) -> Any:
+        """``spec.load()``, naming the backend on the terminal if the import runs long (see :func:`watch_slow`)."""
+        doing = f"importing the factory {self._factory_text()} of backend {self.name!r} ({self.entry.label})"
+        with watch_slow(self._pytest_config, doing, _HANGS):
+            return self.entry.spec.load()
+
+    def _factory_text(self) -> str:
+        factory = self.entry.spec.factory
+        return printable(repr(factory if isinstance(factory, str) else getattr(factory, "__qualname__", factory)))
 
     def _require_available(self) -> None:
         platform = current_platform(self.platform)
@@ -221,21 +243,27 @@ class BackendConformance:
     ) -> ModelRunner:
         self._require_available()
         role = "draft" if is_draft else "target"
+        head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
+        doing = (
+            f"building backend {self.name!r} ({self.entry.label}) for a {role} runner: its factory "
+            f"{self._factory_text()} has not returned"
+        )
         try:
-            return ModelRunner(
-                args if args is not None else self._args(),
-                is_draft=is_draft,
-                num_layers=2,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=self._head_dim(),
-                max_requests=8,
-                max_context_len=256,
-                num_slots=1024,
-                dtype=dtype,
-                device=self.device,
-                platform=self.platform,
-            )
+            with watch_slow(self._pytest_config, doing, _HANGS):
+                return ModelRunner(
+                    args if args is not None else self._args(),
+                    is_draft=is_draft,
+                    num_layers=2,
+                    num_heads=num_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    max_requests=8,
+                    max_context_len=256,
+                    num_slots=1024,
+                    dtype=dtype,
+                    device=self.device,
+                    platform=self.platform,
+                )
         except Exception as exc:
             raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
 
@@ -418,7 +446,7 @@ class BackendConformance:
             index = int((~finite).flatten().nonzero()[0])
             return f"output is not finite ({self._where(index, layer, batch, q.dtype)})"
         error = float(diff.max()) if diff.numel() else 0.0
-        if error > atol:
+        if not error <= atol:  # a NaN error fails too: a non-finite reference must never pass as agreement
             index = int(diff.flatten().argmax())
             return f"max abs error {error:.1e} exceeds {atol:.0e} ({self._where(index, layer, batch, q.dtype)})"
         return None
@@ -493,7 +521,7 @@ class BackendConformance:
         platform = current_platform(self.platform)
         availability = check_availability(self.entry, platform)
         try:
-            factory = spec.load()
+            factory = self._load_factory()
         except Exception as exc:
             if (availability.reason or "").startswith("factory module"):  # the sentence `attnhost list` shows
                 _fail(f"spec: backend {self.name!r} cannot run: {availability.reason}")
@@ -707,6 +735,50 @@ class BackendConformance:
                     f"{label} of a single request, topk 2",
                     tree_mask=_tree_mask("topk2-4"),
                 )
+
+    def test_a_query_that_sees_no_key_gets_zeros(self) -> None:
+        """A tree row that is all False in a request without a prefix: that query sees no key at all, and the
+        contract gives it zeros (a softmax over no key is 0/0, and a NaN would spread through every later layer).
+
+        The batch also holds such a row in a request with a prefix (it sees the prefix: an ordinary output) and a
+        lone one-token request whose one-cell block is False (a decode-shaped request that still sees nothing).
+        """
+        if not self._capabilities().tree_mask:
+            pytest.skip(
+                f"backend {self.name!r} does not declare tree_mask (capabilities.tree_mask = False): engines never "
+                "send it a tree, so no query of its sees no key"
+            )
+        fresh_block, cached_block = _tree_mask("topk2-4").view(4, 4), _tree_mask("topk2-4").view(4, 4)
+        fresh_block[1] = False  # request 0 (no prefix), token 1: sees nothing
+        cached_block[2] = False  # request 1 (a prefix of 9), token 2: sees the prefix only
+        mask = torch.cat([fresh_block.flatten(), cached_block.flatten(), torch.zeros(1, dtype=torch.bool)])
+        blind = {1: (0, 1), 8: (2, 0)}  # token in the batch: (request, token within it), each seeing no key
+        for dtype, _ in self._speculative_dtypes():
+            label = f"a query that sees no key ({_dtype_name(dtype)})"
+            runner = self._runner(dtype=dtype)
+            fresh, cached, lone = runner.new_request(), runner.new_request(), runner.new_request()
+            self._forward(runner, ForwardMode.EXTEND, [(cached, 0, 9)], f"{label}: the prefill before it")
+            batch = [(fresh, 0, 4), (cached, 9, 4), (lone, 0, 1)]
+            step = self._forward(runner, ForwardMode.TARGET_VERIFY, batch, label, check=False, tree_mask=mask)
+            for run in step.layers:
+                if tuple(run.out.shape) == (step.batch.num_new_tokens, run.layer.num_heads, run.layer.head_dim):
+                    for token, (request, within) in blind.items():
+                        got = run.out[token].detach().to("cpu", torch.float64)
+                        if bool(torch.isnan(got).any()):
+                            wrong = "NaN"
+                        elif not bool(torch.isfinite(got).all()):
+                            wrong = "inf"
+                        elif bool(got.any()):
+                            wrong = f"values up to {float(got.abs().max()):.1e} instead of zeros"
+                        else:
+                            continue
+                        _fail(
+                            f"{label}: backend {self.name!r} gives {wrong} for request {request}, token {within} "
+                            f"(layer {run.layer.layer_id}), whose tree row is all False with no prefix, so it sees "
+                            "no key; the contract gives such a query zeros: find these rows when planning the batch "
+                            "and zero their output (a softmax over no key is 0/0)"
+                        )
+                self._check_output(label, run, step.batch)
 
     def test_draft_extend(self) -> None:
         """DRAFT_EXTEND_V2 and DRAFT_EXTEND: the draft catches up on accepted tokens, causally, ragged."""

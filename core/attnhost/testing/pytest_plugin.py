@@ -80,10 +80,19 @@ def _engine_suite(engine: str) -> str:
 
 
 def backend_names(config: pytest.Config) -> list[str]:
-    """The names given with ``--attnhost-backend``, in order, without duplicates."""
+    """The names given with ``--attnhost-backend``, in order, without duplicates.
+
+    A blank name (``--attnhost-backend ''``, ``'a,'``, ``'a,,b'``) is a usage error: dropped silently it would
+    leave nothing to run and pytest would end with "no tests ran", which reads as a broken kit.
+    """
     raw: list[str] = config.getoption("attnhost_backend", default=None) or []
-    names = [name.strip() for value in raw for name in value.split(",")]
-    return list(dict.fromkeys(name for name in names if name))
+    for value in raw:
+        if not all(name.strip() for name in value.split(",")):
+            raise pytest.UsageError(
+                f"{OPTION} {value!r}: a blank backend name; give registered names, separated by commas "
+                f"(e.g. {OPTION} torch_native; `attnhost list` shows them)"
+            )
+    return list(dict.fromkeys(name.strip() for value in raw for name in value.split(",")))
 
 
 def _suite_node(arg: str, suite: str, classes: str) -> str | None:

@@ -74,7 +74,8 @@ def reference_request_attention(
     Query head ``h`` uses KV head ``h // (heads // kv_heads)``, SGLang's GQA
     grouping; query ``i`` sees key ``j`` iff ``j <= prefix_len + i``, or, given
     ``tree`` (``[new, new]`` bool, a speculative tree), iff ``j < prefix_len``
-    or ``tree[i, j - prefix_len]``.
+    or ``tree[i, j - prefix_len]``. A query that sees no key at all (a tree
+    row all False with no prefix) gets zeros.
     """
     num_new, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
@@ -94,6 +95,9 @@ def reference_request_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
     weights = weights / weights.sum(dim=-1, keepdim=True)
+    # A query that sees no key (a tree row all False, no prefix) gets zeros, as the contract says: its softmax
+    # above is 0/0, so its weights are set, not computed.
+    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
     return torch.einsum("hqk,khd->qhd", weights, v64)
 
 

@@ -7,7 +7,10 @@ instead pads the batch into rectangles — queries ``[B, T, ...]`` with
 boolean mask ``[B, T, L]`` carries both causality (query ``t`` of request
 ``b`` sees key ``j`` iff ``j <= prefix_b + t``) and padding (``j < seq_b``);
 in a speculative tree (``forward_batch.tree_mask``) each request's block of
-the tree replaces causality among its new tokens.
+the tree replaces causality among its new tokens. A tree row that is all
+False in a request without a prefix leaves its query no key at all; the
+contract gives such a query zeros, so the plan finds those rows once and the
+layers zero them (a softmax over no key would be 0/0).
 
 Everything that depends only on the batch (gather indices, the mask, where
 each real query sits in the padded layout) is built once in
@@ -41,6 +44,7 @@ class _Metadata:
     key_slots: torch.Tensor  # [B, L] cache slot of every (request, key position); padding points at slot 0
     allowed: torch.Tensor  # [B, 1, 1, T, L] True where the query may attend to the key
     query_valid: torch.Tensor  # [B, T] True for real (not padding) query rows, in token order
+    blind: torch.Tensor | None  # [B, 1, 1, T, 1] True for a query that sees no key (output zeros); None: none does
 
 
 class BatchedMatmulAttnBackend(AttentionBackend):
@@ -69,11 +73,16 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         query_valid = query_idx.unsqueeze(0) < forward_batch.extend_seq_lens.unsqueeze(1)  # [B, T]
         query_pos = forward_batch.prefix_lens.unsqueeze(1) + query_idx.unsqueeze(0)  # absolute positions
         causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
+        blind = None
         if forward_batch.tree_mask is not None:
             _apply_tree(causal, forward_batch)
-        # Every row keeps key 0 (position 0 <= any query position), so softmax never sees an all-masked row.
+            seen = causal.any(dim=-1, keepdim=True)  # [B, T, 1]; a causal row always sees key 0 (position 0)
+            if not bool(seen.all()):  # a tree row all False without a prefix: one sync per tree batch
+                blind = ~seen
+                causal |= blind & (key_pos == 0)  # it reads key 0, so softmax never sees an all-masked row
+                blind = blind.view(forward_batch.batch_size, 1, 1, max_queries, 1)
         allowed = (causal & key_valid.unsqueeze(1)).view(forward_batch.batch_size, 1, 1, max_queries, max_keys)
-        self._metadata = _Metadata(forward_batch, key_slots, allowed, query_valid)
+        self._metadata = _Metadata(forward_batch, key_slots, allowed, query_valid, blind)
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
@@ -101,6 +110,8 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         scores = torch.matmul(padded_q, keys.transpose(-1, -2)) * layer.scaling  # [B, kv_heads, group, T, L]
         scores = scores.masked_fill(~meta.allowed, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, T, D]
+        if meta.blind is not None:  # a query that sees no key gets zeros (it read key 0 only to keep softmax finite)
+            out = out.masked_fill(meta.blind, 0.0)
 
         out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_queries, layer.num_heads, dim)
         return out[meta.query_valid].to(q.dtype)

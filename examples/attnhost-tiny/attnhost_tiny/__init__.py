@@ -54,5 +54,7 @@ class TinyAttnBackend(AttentionBackend):
                 visible[:, prefix:] = forward_batch.tree_mask[tree_cell : tree_cell + new * new].view(new, new)
                 tree_cell += new * new
             weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            if prefix == 0 and forward_batch.tree_mask is not None:  # a tree row may hide every key: 0, not 0/0
+                weights = weights.masked_fill(~visible, 0.0)
             out[start : start + new] = torch.einsum("hts,shd->thd", weights, values).to(q.dtype)
         return out
