@@ -153,9 +153,10 @@ def test_list_name_shows_one_backend_in_full(site: Path) -> None:
 def test_list_unknown_name_is_one_line_with_did_you_mean(site: Path) -> None:
     result = run_cli("list", "acme_cpuu", path_entries=[site], env=NARROW)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.strip().splitlines()[-1] == (
-        "attnhost: error: unknown attention backend 'acme_cpuu'; did you mean 'acme_cpu'?"
-    )
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("attnhost: error: unknown attention backend 'acme_cpuu'; "), error
+    assert error.endswith("failed to load and may provide it (see `attnhost plugins`); did you mean 'acme_cpu'?")
+    assert "plugin 'broken' (distribution broken-attn 2.0)" in error  # the site's broken plugin, named first
 
 
 @pytest.mark.torch  # needs torch installed (the py312/py313 envs have none)

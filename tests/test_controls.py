@@ -100,8 +100,8 @@ def test_strict_mode_fails_the_cli_naming_every_failed_plugin(tmp_path: Path, si
     make_plugin(site, "broken-two", "0.2", "broken_two", "broken_two", BROKEN.format(name="two"))
     data, report, _ = _run(site, "list", ATTNHOST_STRICT="1")
     assert data is None and report.startswith("exit 1:")
-    error = [line for line in report.splitlines() if line.startswith("attnhost: error: ")]
-    assert len(error) == 1
+    error = report.removeprefix("exit 1: ").splitlines()
+    assert len(error) == 1 and error[0].startswith("attnhost: error: "), report  # no warning repeats it
     assert "plugin 'broken_one' (distribution broken-one 0.1): importing 'broken_one' raised ImportError" in error[0]
     assert "plugin 'broken_two' (distribution broken-two 0.2)" in error[0]
     assert "plugin 'alpha' (distribution zz-alpha-clone 9.9)" in error[0]  # a duplicate counts too

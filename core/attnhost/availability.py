@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 from attnhost.errors import printable
-from attnhost.platform import module_installed
+from attnhost.platform import TORCH_HINT, module_installed
 
 if TYPE_CHECKING:
     from attnhost.registry import BackendEntry
@@ -47,4 +47,8 @@ def check_availability(entry: BackendEntry, platform: str) -> Availability:
     if spec.platforms and platform not in spec.platforms:
         return Availability(False, f"runs on {printable(', '.join(spec.platforms))}, not {platform}")
     missing = [module for module in spec.requires if not module_installed(module)]
-    return Availability(True) if not missing else Availability(False, f"module {missing[0]!r} is not installed ({fix})")
+    if not missing:
+        return Availability(True)
+    if missing[0] == "torch":  # whoever's backend it is, torch is installed one way: the advice that avoids CUDA
+        return Availability(False, f"module 'torch' is not installed: {TORCH_HINT}")
+    return Availability(False, f"module {missing[0]!r} is not installed ({fix})")

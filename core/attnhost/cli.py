@@ -96,13 +96,16 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
         row["draft_fallback_on"] = _fallback_on(row["name"]) if registry.is_draft_capable(row["name"]) else []
         return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform, width), width)
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
+    notes: list[str] = []  # what the rows cannot say; the same sentences in the text and in --json
     if args.available:
         rows = [row for row in rows if row["available"]]
         if not rows and not module_installed("torch"):  # every backend that runs attention needs it
-            return [f"nothing can run on platform {platform} until torch is installed: {TORCH_HINT}"]
+            notes.append(f"nothing can run on platform {platform} until torch is installed: {TORCH_HINT}")
     plugins = default_host().plugins()
-    if args.json:
-        return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins]}
+    if args.json:  # one shape whatever the answer: scripts read the keys, never guess the type
+        return {"platform": platform, "backends": rows, "plugins": [p.to_json() for p in plugins], "notes": notes}
+    if notes and not rows:
+        return [line for note in notes for line in wrap(note, width)]
     every = ["NAME", "ROLES", "PLUGIN", "DISTRIBUTION", "IMPLEMENTED", "AVAILABLE", "DESCRIPTION"]
     table = [every if width is None else ["NAME", "ROLES", "PLUGIN", "AVAILABLE"]]
     reasons: dict[str, int] = {}

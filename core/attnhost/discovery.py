@@ -186,9 +186,10 @@ def _info(record: EntryPointRecord, builtin: bool = False) -> PluginInfo:
     return PluginInfo(record.name, dist, record.version, record.value, PluginStatus.LOADED, builtin=builtin)
 
 
-def _fail(info: PluginInfo, cause: str) -> PluginInfo:
+def _fail(info: PluginInfo, cause: str, *, strict: bool) -> PluginInfo:
     failed = replace(info, status=PluginStatus.FAILED, error=one_line(cause))
-    logger.warning("%s failed to load: %s; %s", failed.origin, failed.error, way_out(failed))
+    if not strict:  # under ATTNHOST_STRICT=1 the host's one error names it: a warning too would say it twice
+        logger.warning("%s failed to load: %s; %s", failed.origin, failed.error, way_out(failed))
     return failed
 
 
@@ -209,7 +210,7 @@ def load_entry_points(
     metadata claims its name. An entry point naming its very module (a stale egg-info, a second install) is that same
     declaration: nothing to load or report; any other named ``builtin`` is a collision."""
     own = EntryPointRecord(BUILTIN_PLUGIN, BUILTIN_MODULE, ENTRY_POINT_GROUP, "attnhost", _PACKAGE.__version__, "")
-    taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True))}
+    taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True), strict=settings.strict)}
     plugins = [taken[BUILTIN_PLUGIN]]
     others = [r for r in records if (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
     for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
@@ -220,15 +221,16 @@ def load_entry_points(
             error = f"plugin name {record.name!r} is already taken by {holder}"
             info = replace(info, status=PluginStatus.DUPLICATE, error=error)
             fix = "rename one of the entry points or uninstall one distribution"
-            logger.warning("%s was not loaded: %s; %s", info.origin, error, fix)
+            if not settings.strict:  # the strict-mode error names it
+                logger.warning("%s was not loaded: %s; %s", info.origin, error, fix)
         elif not settings.autoload:
             info = replace(info, status=PluginStatus.BLOCKED, error=f"{DISABLE_AUTOLOAD_ENV} is set")
         elif settings.allow is not None and record.name not in settings.allow:
             info = replace(info, status=PluginStatus.NOT_ALLOWED, error=f"not named in {PLUGINS_ENV}")
         else:
-            info = taken[record.name] = _load_one(pm, record, info)
+            info = taken[record.name] = _load_one(pm, record, info, strict=settings.strict)
         plugins.append(info)
-    if settings.allow is None:
+    if settings.allow is None or settings.strict:  # strict: the host's error names the missing ones
         return plugins
     import difflib  # only on this warning's path
 
@@ -284,8 +286,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_WATCH.__init__)  # type: ignore[misc]
 
 
-def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginInfo) -> PluginInfo:
-    """Import and register one entry point: its prints go to stderr, a hang is named, Ctrl-C names the plugin."""
+def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginInfo, *, strict: bool) -> PluginInfo:
+    """Import and register one entry point: its prints go to stderr, a hang is named, Ctrl-C names the plugin; a
+    failure is a warning, or under ``strict`` only the record (the host raises one error naming every failure)."""
     where = f"{info.origin} (entry point {printable(repr(record.value))})"
     slow = (
         f"still importing {where} after {SLOW_IMPORT_WARNING_S:g} s; waiting for it, since an import cannot be "
@@ -297,12 +300,12 @@ def _load_one(pm: pluggy.PluginManager, record: EntryPointRecord, info: PluginIn
     except KeyboardInterrupt:
         raise PluginLoadInterrupted(f"interrupted while importing {where}") from None
     except (Exception, SystemExit) as exc:
-        return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}")
+        return _fail(info, f"importing {record.value!r} raised {describe_exception(exc)}", strict=strict)
     try:
         register_checked(pm, obj, record.name)
     except (PluginProblem, ValueError) as exc:  # ValueError: an invalid shorthand name, or a duplicate object
-        return _fail(info, str(exc))
+        return _fail(info, str(exc), strict=strict)
     except (Exception, SystemExit) as exc:  # e.g. an object whose attribute access raises while pluggy scans it
         pm.unregister(name=record.name)  # a no-op unless pluggy had registered it
-        return _fail(info, f"registering its entry point object raised {describe_exception(exc)}")
+        return _fail(info, f"registering its entry point object raised {describe_exception(exc)}", strict=strict)
     return info

@@ -28,6 +28,8 @@ from attnhost.errors import (
     PluginProblem,
     RegistryFrozenError,
     bounded,
+    describe_exception,
+    one_line,
     printable,
     printable_record,
 )
@@ -36,7 +38,8 @@ from attnhost.registry import Registry, build_registry, collect_contributions
 from attnhost.settings import NO_CACHE_ENV, PLUGINS_ENV, STRICT_ENV, LoadSettings, env_flag
 from attnhost.spec import BackendSpec, check_backend_name
 
-__all__ = ["PluginHost", "default_host", "get_plugin_manager", "get_registry", "register_plugin"]
+__all__ = ["PluginHost", "default_host", "engine_load_failure", "get_plugin_manager", "get_registry"]
+__all__ += ["register_plugin"]
 
 logger = logging.getLogger(__name__)
 logger.addFilter(printable_record)  # plugin text in a log line is escaped
@@ -90,7 +93,7 @@ class PluginHost:
             pm = self._loading = GuardedPluginManager(self._change)
             load = LoadSettings.from_env()  # read before any plugin code runs, kept for the process
             try:
-                records = entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
+                records = _scan()
                 self._discovered = load_entry_points(pm, records, load)
             finally:
                 self._loading = None
@@ -130,9 +133,11 @@ class PluginHost:
         ]
         # An in-process plugin whose hook failed was unregistered (below); a rebuild reports it the same way.
         records += [i for n, i in self._in_process.items() if i.status is PluginStatus.FAILED and n not in registered]
+        load = LoadSettings.from_env()
         self._building = True
         try:
-            contributions = collect_contributions(pm, records)
+            with _quiet(logging.getLogger(collect_contributions.__module__), load.strict):
+                contributions = collect_contributions(pm, records)
         finally:
             self._building = False
         registry, plugins = build_registry(contributions)
@@ -146,15 +151,18 @@ class PluginHost:
             elif after.name in self._in_process:
                 self._in_process[after.name] = after
         for warning in [warning for info in plugins for warning in info.warnings]:
-            if warning not in self._logged:
+            if warning not in self._logged and not load.strict:  # strict: the one error below says each
                 self._logged.add(warning)
                 logger.warning("%s", warning)
-        load = LoadSettings.from_env()
         bad = (PluginStatus.FAILED, PluginStatus.DUPLICATE)
         parts = [f"{info.origin}: {info.error}" for info in plugins if info.status in bad]
         parts += [f"{info.origin}: {warning}" for info in plugins for warning in info.warnings]
-        missing = sorted((load.allow or frozenset()).difference(info.name for info in self._discovered))
-        parts += [f"{PLUGINS_ENV} names plugin {bounded(repr(name))}, which is not installed" for name in missing[:5]]
+        found = sorted(info.name for info in self._discovered)
+        missing = sorted((load.allow or frozenset()).difference(found))
+        parts += [
+            f"{PLUGINS_ENV} names plugin {bounded(repr(name))}, which is not installed{_close(name, found)}"
+            for name in missing[:5]
+        ]
         parts += [f"and {len(missing) - 5} more names of {PLUGINS_ENV}"] if len(missing) > 5 else []
         self._strict_error = None
         if load.strict and parts:  # plugin text (errors, distribution names) in an error message is escaped
@@ -234,6 +242,74 @@ class PluginHost:
             self._loading = None
             self._building = False
             self._registry = None
+
+
+def _scan() -> tuple[entry_points.EntryPointRecord, ...]:
+    """The installed entry points; a module missing for the scan is a broken install (``pip install --no-deps``),
+    said as such with the way out, not as an internal error or an engine's later "invalid backend"."""
+    try:
+        return entry_points.scan(ENTRY_POINT_GROUP, use_cache=not env_flag(NO_CACHE_ENV))
+    except ImportError as exc:
+        raise AttnhostError(
+            f"attnhost cannot look up installed plugins: {describe_exception(exc)}; a dependency of attnhost is "
+            f"missing (as after `pip install --no-deps`): {_install_hint(exc.name or '')}"
+        ) from exc
+
+
+def _install_hint(module: str) -> str:
+    """``pip install REQUIREMENT`` for the attnhost requirement that provides ``module``, as attnhost's metadata
+    spells it (``importlib_metadata`` → ``'importlib-metadata>=8'``); else: reinstall attnhost."""
+    import importlib.metadata  # the standard library's: the missing module may be the backport
+    import re
+
+    try:
+        requirements = importlib.metadata.requires("attnhost") or []
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        requirements = []
+    for requirement in requirements:
+        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+        if ";" not in requirement and module and name.replace("-", "_").lower() == module.lower():
+            return f"pip install '{requirement.strip()}', or reinstall attnhost with its dependencies"
+    return "reinstall attnhost with its dependencies (pip install --force-reinstall attnhost)"
+
+
+def engine_load_failure(engine: str, exc: BaseException) -> str:
+    """The one error line an engine bridge logs when attnhost cannot register its backends in an engine process:
+    without it, the engine's own message comes later and says only that the backend name is invalid."""
+    import multiprocessing
+
+    process = multiprocessing.current_process().name
+    cause = str(exc) if isinstance(exc, AttnhostError) else describe_exception(exc)
+    fix = "" if isinstance(exc, AttnhostError) else f" (reinstall attnhost, or report it; {engine} logs the traceback)"
+    return (
+        f"attnhost could not register its attention backends with {engine} in this process ({process}, pid "
+        f"{os.getpid()}), so {engine} cannot use them here: {printable(one_line(cause))}{fix}"
+    )
+
+
+def _close(name: str, found: list[str]) -> str:
+    import difflib  # only for a strict-mode error
+
+    close = difflib.get_close_matches(name, found, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@contextlib.contextmanager
+def _quiet(log: logging.Logger, strict: bool) -> Iterator[None]:
+    """Under ``ATTNHOST_STRICT=1``, hold back ``log``'s warnings: each plugin problem is printed once, in the host's
+    error, not also as a warning before it."""
+    if not strict:
+        yield
+        return
+    log.addFilter(_drop_warnings)
+    try:
+        yield
+    finally:
+        log.removeFilter(_drop_warnings)
+
+
+def _drop_warnings(record: logging.LogRecord) -> bool:
+    return record.levelno != logging.WARNING
 
 
 def _in_process_info(name: str, plugin: object) -> PluginInfo:

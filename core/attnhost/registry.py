@@ -113,10 +113,17 @@ class Registry(Mapping[str, BackendSpec]):
                     f"unknown attention backend {shown}: {plugin.origin}, which would likely provide it, failed to "
                     f"load: {plugin.error}; fix that plugin (see `attnhost plugins`)"
                 )
+        # A plugin that failed may have been the one to give it: said before any near name, which may mislead
+        failed = ""
+        if self._failed:
+            named = ", ".join(plugin.origin for plugin in self._failed[:3])
+            more = f" and {len(self._failed) - 3} more" if len(self._failed) > 3 else ""
+            failed = f"; {named}{more} failed to load and may provide it (see `attnhost plugins`)"
         close = difflib.get_close_matches(str(name), [*self._order, *self._aliases], n=1, cutoff=0.6)
         if close:
-            return f"unknown attention backend {shown}; did you mean {self.canonical(close[0])!r}?"
-        return f"unknown attention backend {shown}; choose from: {', '.join(self._order)} (see `attnhost list`)"
+            return f"unknown attention backend {shown}{failed}; did you mean {self.canonical(close[0])!r}?"
+        choices = f"choose from: {', '.join(self._order)} (see `attnhost list`)"
+        return f"unknown attention backend {shown}{failed}; {'or ' if failed else ''}{choices}"
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.canonical(name) is not None

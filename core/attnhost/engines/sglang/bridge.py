@@ -40,7 +40,7 @@ from typing import Any
 from attnhost.backend import BackendCapabilities, capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
-from attnhost.host import default_host
+from attnhost.host import default_host, engine_load_failure
 from attnhost.platform import current_platform
 from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
 
@@ -72,12 +72,16 @@ def install() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
     with _lock:
-        plan = plan_exports(
-            "SGLang",
-            lambda name: name in ATTENTION_BACKENDS and ATTENTION_BACKENDS[name] is not _ours.get(name),
-            override_env=OVERRIDE_ENV,
-            taken=tuple(_ours),
-        )
+        try:
+            plan = plan_exports(
+                "SGLang",
+                lambda name: name in ATTENTION_BACKENDS and ATTENTION_BACKENDS[name] is not _ours.get(name),
+                override_env=OVERRIDE_ENV,
+                taken=tuple(_ours),
+            )
+        except Exception as exc:  # SGLang logs it as a general plugin's failure; ours says what and why first
+            _log_once(logging.ERROR, engine_load_failure("SGLang", exc))
+            raise
         for warning in plan.warnings:  # once per engine start: the spawned scheduler, detokenizer... say it at INFO
             _log_once(logging.INFO if multiprocessing.parent_process() else logging.WARNING, warning)
         for backend in plan.backends:

@@ -20,6 +20,7 @@ from typing import Any
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
 from attnhost.engines.vllm.names import ClassPath, class_path, vllm_name
 from attnhost.errors import BackendUnavailableError
+from attnhost.host import engine_load_failure
 from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
 __all__ = ["backend_class", "current_plan", "exported", "install", "registered_value"]
@@ -51,13 +52,17 @@ def install() -> ExportPlan:
 
     with _lock:
         members = AttentionBackendEnum.__members__
-        plan = plan_exports(
-            "vLLM",
-            lambda name: name in members and name not in _ours,
-            override_env=OVERRIDE_ENV,
-            to_engine_name=vllm_name,
-            taken=tuple(_ours),
-        )
+        try:
+            plan = plan_exports(
+                "vLLM",
+                lambda name: name in members and name not in _ours,
+                override_env=OVERRIDE_ENV,
+                to_engine_name=vllm_name,
+                taken=tuple(_ours),
+            )
+        except Exception as exc:  # vLLM stops on it with a traceback; this line says what and why first
+            _log_once(logging.ERROR, engine_load_failure("vLLM", exc))
+            raise
         for warning in plan.warnings:
             _log_once(logging.WARNING, warning)
         added = []
