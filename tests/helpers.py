@@ -81,3 +81,19 @@ def make_plugin(
     """One plugin distribution: a module with ``source`` and an entry point ``entry_name = module[:attr]``."""
     value = f"{module}:{attr}" if attr else module
     return make_dist(root, dist, version, {GROUP: {entry_name: value}}, modules={module: source})
+
+
+def kit_run_problems(stdout: str, skips_allowed: Iterable[str]) -> list[str]:
+    """What is wrong with a pytest ``-q -rs`` run of the conformance kit: a failure or error, no test passed, or a
+    skip whose reason is not one of ``skips_allowed`` (what the backends do not declare). Counts are not pinned:
+    the kit grows with the contract, and a count says less than the reasons."""
+    summary = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
+    problems = [f"{counts[w]} {w}" for w in ("failed", "error", "errors") if counts.get(w)]
+    if not counts.get("passed"):
+        problems.append(f"no test passed ({summary!r})")
+    allowed = tuple(skips_allowed)
+    for line in stdout.splitlines():
+        if line.startswith("SKIPPED") and not any(reason in line for reason in allowed):
+            problems.append(f"unexpected skip: {line}")
+    return problems

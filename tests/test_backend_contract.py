@@ -146,3 +146,22 @@ def test_a_tree_capable_runner_attends_the_tree() -> None:
     out, q, batch = _verify_tree(runner)
     assert batch.tree_mask is not None and torch.equal(batch.tree_mask, TREE)
     assert float((out.double() - reference_attention(q, runner.layers[0], batch)).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("request_spec", "message"),
+    [
+        ((0, 10, 8), r"spans 18 tokens, beyond req_to_token's 16 columns"),
+        ((0, -2, 4), r"needs prefix_len >= 0 and extend_len >= 1, got -2, 4"),
+    ],
+    ids=["beyond the table", "negative prefix"],
+)
+def test_a_batch_whose_lengths_do_not_fit_the_request_table_is_refused(
+    request_spec: tuple[int, int, int], message: str
+) -> None:
+    """A length beyond ``req_to_token`` would read slots never recorded (slot 0, silently); a negative one, NaN."""
+    pool = KVPool(1, 64, 2, 8, max_requests=2, max_context_len=16)
+    pool.alloc_request()
+    loc = torch.arange(request_spec[2])
+    with pytest.raises(ValueError, match=message):
+        ForwardBatch.from_lists(pool, ForwardMode.EXTEND, [request_spec], loc)

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC: dict[str, str] = {
-    "errors": "AttnhostError BackendUnavailableError InvalidPluginError KVPoolFullError NoForwardContextError "
-    "PlatformError PluginLoadError RankCheckError RankMismatchError RegistryFrozenError UnknownBackendError "
-    "UnsupportedFeatureError",
+    "errors": "AttnhostError BackendFailedError BackendUnavailableError InvalidBatchError InvalidPluginError "
+    "KVPoolFullError NoForwardContextError PlatformError PluginLoadError RankCheckError RankMismatchError "
+    "RegistryFrozenError UnknownBackendError UnsupportedFeatureError",
     "spec": "BackendFactory BackendSpec",
     "hooks": "hookimpl",
     "discovery": "ENTRY_POINT_GROUP PluginInfo PluginStatus",
@@ -72,7 +72,9 @@ if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests
     from attnhost.discovery import ENTRY_POINT_GROUP, PluginInfo, PluginStatus
     from attnhost.errors import (
         AttnhostError,
+        BackendFailedError,
         BackendUnavailableError,
+        InvalidBatchError,
         InvalidPluginError,
         KVPoolFullError,
         NoForwardContextError,

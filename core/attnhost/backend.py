@@ -49,8 +49,9 @@ class BackendCapabilities:
     own layout, which the bridge then passes through instead of paying a view each way per layer."""
     tree_mask: bool = False
     """Honours ``ForwardBatch.tree_mask`` (speculative trees, EAGLE ``topk > 1``: a new token sees the prefix and
-    only its own ancestors among the new tokens). Without it engines run speculative chains only and refuse a
-    tree run when they resolve their arguments, never on a batch."""
+    only its own ancestors among the new tokens), giving zeros for a query that sees no key at all (an all-False
+    row without a prefix). Without it engines run speculative chains only and refuse a tree run when they resolve
+    their arguments, never on a batch."""
 
     def __post_init__(self) -> None:
         for flag in ("cuda_graph", "flat_heads", "tree_mask"):

@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["AttnhostError", "BackendUnavailableError", "InvalidPluginError", "KVPoolFullError", "NoForwardContextError"]
+__all__ = ["AttnhostError", "BackendFailedError", "BackendUnavailableError", "InvalidBatchError", "InvalidPluginError"]
+__all__ += ["KVPoolFullError", "NoForwardContextError"]
 __all__ += ["PlatformError", "PluginLoadError", "PluginLoadInterrupted", "PluginProblem", "RankCheckError"]
 __all__ += ["RankMismatchError", "RegistryFrozenError", "UnknownBackendError", "UnsupportedFeatureError"]
-__all__ += ["describe_exception", "one_line", "plugin_label", "printable", "printable_record", "safe_repr"]
+__all__ += [
+    "backend_failed",
+    "describe_exception",
+    "one_line",
+    "plugin_label",
+    "printable",
+    "printable_record",
+    "safe_repr",
+]
 
 
 class AttnhostError(Exception):
@@ -34,6 +43,18 @@ class BackendUnavailableError(AttnhostError, RuntimeError):
 
 class UnsupportedFeatureError(BackendUnavailableError, NotImplementedError):
     """An engine asked an attnhost backend for what the attnhost contract cannot express (MLA, sliding windows)."""
+
+
+class BackendFailedError(AttnhostError, RuntimeError):
+    """An attnhost backend raised while an engine ran it (planning a batch or a layer's forward). Engines print
+    their own long tracebacks, which end in the plugin's bare exception; this one sentence names the backend, its
+    plugin and distribution, the forward mode and the layer, with the plugin's exception chained as the cause."""
+
+
+class InvalidBatchError(AttnhostError, ValueError):
+    """An engine handed a backend a batch that does not add up (a write slot outside the KV cache or given twice,
+    a length beyond the request table, a mask of the wrong type): refused before anything is read or written,
+    because a kernel would read or write outside its buffers or compute a silently wrong number."""
 
 
 class PlatformError(AttnhostError, ValueError):
@@ -132,3 +153,15 @@ def describe_exception(exc: BaseException) -> str:
         lines = ["<exception with a broken __str__>"]
     kind = printable(type(exc).__name__)
     return f"{kind}: {one_line(lines[0])}" if lines and lines[0].strip() else kind
+
+
+def backend_failed(
+    where: str, origin: str, method: str, mode: str, layer_id: int | None, exc: BaseException
+) -> BackendFailedError:
+    """The one sentence an engine bridge raises when the backend it runs raised: ``where`` names the backend and
+    the engine's name for it, ``origin`` its plugin and distribution; the plugin's exception is the cause."""
+    at = "" if layer_id is None else f", layer {layer_id}"
+    return BackendFailedError(
+        f"{where} failed in {method} ({mode} batch{at}): {describe_exception(exc)}; report this to the maintainers "
+        f"of {origin}, or choose another --attention-backend"
+    )

@@ -159,7 +159,8 @@ class ForwardBatch:
     """Speculative trees only (``BackendCapabilities.tree_mask``): bool, on the cache's device, one
     ``[extend_len, extend_len]`` block per request, row-major and concatenated in request order; entry
     ``[j, k]`` is True when new token ``j`` may attend to new token ``k`` of its request. The prefix is always
-    visible. ``None``: causal among the new tokens, as in every other batch."""
+    visible; a token that sees no key at all (its row all False, no prefix) gets an output of zeros. ``None``:
+    causal among the new tokens, as in every other batch."""
     batch_size: int = field(init=False)
     num_new_tokens: int = field(init=False)
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
@@ -175,6 +176,14 @@ class ForwardBatch:
         for p, e, s in zip(self.prefix_lens_cpu, self.extend_seq_lens_cpu, self.seq_lens_cpu, strict=True):
             if p + e != s:
                 raise ValueError(f"ForwardBatch: prefix {p} + extend {e} != seq_len {s}")
+            if p < 0 or e < 1:
+                raise ValueError(f"ForwardBatch: a request needs prefix_len >= 0 and extend_len >= 1, got {p}, {e}")
+        width = self.kv_pool.req_to_token.shape[1]
+        if b and max(self.seq_lens_cpu) > width:
+            raise ValueError(
+                f"ForwardBatch: a request spans {max(self.seq_lens_cpu)} tokens, beyond req_to_token's {width} "
+                "columns (a backend would read slots that were never recorded)"
+            )
         for name in ("req_pool_indices", "seq_lens", "prefix_lens", "extend_seq_lens", "out_cache_loc"):
             n = starts[-1] if name == "out_cache_loc" else b
             if tuple(getattr(self, name).shape) != (n,):
@@ -225,7 +234,7 @@ class ForwardBatch:
                 )
         extend_lens = [e for _, _, e in specs]
         if tree_mask is not None:  # before the allocation, so a refused mask takes no slot
-            tree_mask = tree_mask.to(device=kv_pool.device, dtype=torch.bool)
+            tree_mask = tree_mask.to(device=kv_pool.device)
             _check_tree_mask("ForwardBatch.prepare", forward_mode, extend_lens, tree_mask)
         out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
@@ -256,7 +265,7 @@ class ForwardBatch:
             seq_lens_cpu=seq,
             prefix_lens_cpu=prefix,
             extend_seq_lens_cpu=extend,
-            tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device, dtype=torch.bool),
+            tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device),
         )
 
 
@@ -265,7 +274,12 @@ def _check_tree_mask(owner: str, mode: ForwardMode, extend_lens: Sequence[int], 
     if mode.is_decode_or_idle():
         raise ValueError(f"{owner}: {mode.name} batches take no tree_mask (a tree is new tokens of an extend)")
     cells = sum(e * e for e in extend_lens)
-    if tree_mask.dtype != torch.bool or tuple(tree_mask.shape) != (cells,):
+    if tree_mask.dtype != torch.bool:  # never converted: an additive float mask (0 / -inf) read as bool inverts
+        raise ValueError(
+            f"{owner}: tree_mask must be a bool tensor (True: the token may attend), got {tree_mask.dtype}; an "
+            "additive mask converts with mask == 0"
+        )
+    if tuple(tree_mask.shape) != (cells,):
         raise ValueError(
             f"{owner}: tree_mask must be a bool tensor of shape ({cells},) (one extend_len x extend_len "
             f"block per request), got {tree_mask.dtype} {tuple(tree_mask.shape)}"

@@ -1,7 +1,8 @@
 """Speculative batches through the bridge, on SGLang's own test-kit fixtures (issue 21, items 1 and 2).
 
-Target verify runs SGLang's own ``run_dense_eagle_verify_case`` (its EAGLE
-verify input, its tree masks, its reference). Draft-extend-v2 uses the
+Target verify runs SGLang's own verify kit for every verify input it has
+(EAGLE, frozen-KV MTP, DFLASH, NGRAM: its tree masks, its reference), and
+DFLASH's host lengths as a bound. Draft-extend-v2 uses the
 kit's dense fixture and its own draft-extend-v2 batch preparation against
 the kit's causal reference, also with the layers handed another
 ``ForwardBatch`` object describing the same batch (SGLang plans it on one
@@ -22,6 +23,12 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()
 
+from attnhost_sglang_cpu.spec_verify import (  # noqa: E402
+    SPEC_VERIFY_KINDS,
+    run_spec_verify_case,
+    spec_verify_case,
+    spec_verify_id,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.srt.speculative.draft_utils import DraftBackendFactory  # noqa: E402
@@ -34,9 +41,6 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
 )
 from sglang.test.kits.attention_unittest.runner_modes.speculative_draft_extend_runner import (  # noqa: E402
     _prepare_eagle_draft_extend_v2_batch,
-)
-from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (  # noqa: E402
-    run_dense_eagle_verify_case,
 )
 
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend, UnsupportedFeatureError, tree_blocks  # noqa: E402
@@ -69,23 +73,30 @@ def _case(backend: str, mode: ForwardMode, prefix_lens: tuple[int, ...], extend:
 
 
 VERIFY = [
-    pytest.param(backend, topk, prefix, heads, dtype, id=f"{backend}-topk{topk}-{'_'.join(map(str, prefix))}-{dname}")
+    pytest.param(
+        backend,
+        kind,
+        prefix,
+        heads,
+        dtype,
+        id=f"{backend}-{spec_verify_id(*kind)}-{'_'.join(map(str, prefix))}-{dname}",
+    )
     for backend in BACKENDS
-    for topk in (1, 2)
+    for kind in SPEC_VERIFY_KINDS
     for prefix, heads in (((5, 9), (4, 4)), ((3, 30, 12), (4, 2)), ((17,), (4, 1)))
     for dname, dtype in DTYPES.items()
 ]
 
 
-@pytest.mark.parametrize(("backend", "topk", "prefix", "heads", "dtype"), VERIFY)
+@pytest.mark.parametrize(("backend", "kind", "prefix", "heads", "dtype"), VERIFY)
 def test_target_verify_on_sglangs_own_verify_kit(
-    backend: str, topk: int, prefix: tuple[int, ...], heads: tuple[int, int], dtype: torch.dtype
+    backend: str, kind: tuple[str, int, bool], prefix: tuple[int, ...], heads: tuple[int, int], dtype: torch.dtype
 ) -> None:
-    """Chains (causal among the draft tokens) and SGLang's kit tree (root + two branches, FULL_MASK)."""
-    draft_tokens = 4 if topk == 1 else 3  # the kit's tree is hard-coded to 3 tokens
-    case = _case(backend, ForwardMode.TARGET_VERIFY, prefix, draft_tokens, heads)
-    with torch.no_grad():
-        run_dense_eagle_verify_case(_KitCase(), case, topk=topk, device="cpu", dtype=dtype)
+    """Every verify input of SGLang's kit (EAGLE, frozen-KV MTP, DFLASH, NGRAM), chains (causal among the draft
+    tokens) and the kit's tree (root + two branches, FULL_MASK), and DFLASH's host lengths as a bound."""
+    spec_kind, topk, host_bound = kind
+    case = spec_verify_case(backend, prefix, heads, topk)
+    run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound)
 
 
 def test_tree_masks_in_both_sglang_layouts_become_the_contracts_blocks() -> None:

@@ -19,12 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES
 from distgen import make_dist
 
 KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
-#: matrix, 4 batches x 3 head layouts x 3 block sizes x 3 dtypes (108); one per vLLM KV-cache layout (6)
-ALL_DTYPES = 5 + 108 + 6
+#: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6)
+ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''

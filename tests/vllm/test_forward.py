@@ -13,6 +13,8 @@ that every builder gets its own backend.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from attnhost_vllm_cpu.forward import BATCHES, forward, problem
@@ -81,3 +83,30 @@ def test_each_builder_gets_its_own_backend_stamped_with_its_name() -> None:
     for builder in (target, draft):
         backend = builder.attnhost_backend
         assert backend.prefill_attention_backend_str == backend.decode_attention_backend_str == "tiny"
+
+
+@pytest.mark.parametrize("error", [ValueError("illegal instruction"), SystemExit(3)], ids=["exception", "SystemExit"])
+def test_a_backend_that_raises_is_named_with_its_plugin_mode_and_layer(error: BaseException) -> None:
+    """vLLM's own traceback would end in the plugin's bare exception: attnhost's sentence names who failed where."""
+    from attnhost import BackendFailedError
+
+    case = make_case(BATCHES["decode"], block_size=16, num_heads=4, num_kv_heads=2)
+    cls = AttentionBackendEnum.TORCH_NATIVE.get_class()
+    builder = cls.get_builder_cls()(case.spec, ["layer.0"], VllmConfig(), "cpu")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    builder.attnhost_backend.forward_decode = fail  # the kernel of a plugin that breaks on this machine
+    metadata = builder.build(0, case.metadata)
+    impl = cls.get_impl_cls()(4, 32, 32**-0.5, 2, None, None, "auto", None, AttentionType.DECODER, None)
+    q, k, v = case.layer_inputs(0, torch.float32)
+    with pytest.raises(BackendFailedError) as caught:
+        impl.forward(None, q, k, v, case.caches[0], metadata, output=torch.empty(q.shape[0], 4, 32))
+    assert caught.value.__cause__ is error
+    pattern = (
+        r"^attnhost backend 'torch_native' \(plugin 'builtin' \(distribution attnhost [^)]+\)\), vLLM "
+        rf"--attention-backend TORCH_NATIVE failed in forward \(DECODE batch, layer {impl.layer.layer_id}\): "
+        rf"{type(error).__name__}.*report this to the maintainers of plugin 'builtin'"
+    )
+    assert re.search(pattern, str(caught.value)), str(caught.value)

@@ -39,8 +39,14 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangFo
 from torch import Tensor
 
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
+from attnhost.engines.batch_checks import BatchFacts, check_lengths, check_slots, read_batch_facts
 from attnhost.engines.runner_view import RunnerView
-from attnhost.errors import UnsupportedFeatureError
+from attnhost.errors import (
+    BackendFailedError,
+    InvalidBatchError,
+    UnsupportedFeatureError,
+    backend_failed,
+)
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 
@@ -63,6 +69,9 @@ _REFUSED_MODES = {
     SGLangForwardMode.DLLM_EXTEND: "diffusion-LLM extend (bidirectional attention)",
     SGLangForwardMode.PREBUILT: "prebuilt (disaggregated decode) batches",
 }
+
+
+ENGINE_BUG = "report this to SGLang's maintainers with the command that produced it"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -208,6 +217,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.data_type = getattr(model_runner, "dtype", None) or self.token_to_kv_pool.dtype
         self.kv_cache_dtype = self.token_to_kv_pool.dtype
         self._kv = SGLangKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
+        first_layer = getattr(self.token_to_kv_pool, "start_layer", 0) or 0  # pipeline stages start further on
+        self._num_slots = int(self.token_to_kv_pool.get_key_buffer(first_layer).shape[0])  # as many in every layer
         view = RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
         backend = build_backend(
             factory,
@@ -297,7 +308,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     # -- per batch ------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: SGLangBatch) -> None:
-        """Translate SGLang's batch once, then let the attnhost backend plan it."""
+        """Translate SGLang's batch once, checked (see ``batch_checks``), then let the attnhost backend plan it."""
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self._plan(forward_batch, None)
@@ -308,16 +319,28 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if getattr(forward_batch, "encoder_lens", None) is not None:
             raise self.refusal("encoder tokens in the batch (cross-attention)")
         spec_info = forward_batch.spec_info
-        if attnhost_mode is ForwardMode.TARGET_VERIFY:
-            self._plan(forward_batch, self._verify_batch(forward_batch, spec_info))
-            return
-        if spec_info is not None and getattr(spec_info, "custom_mask", None) is not None:
+        if attnhost_mode is not ForwardMode.TARGET_VERIFY and getattr(spec_info, "custom_mask", None) is not None:
             raise self.refusal(f"custom attention masks in a {mode.name} batch (only target-verify carries a tree)")
+        if attnhost_mode is ForwardMode.DECODE and getattr(spec_info, "topk", 1) > 1:
+            # the draft's branch rows need the multi-step container
+            raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
+        facts = read_batch_facts(
+            self._where, forward_batch.seq_lens, forward_batch.out_cache_loc, forward_batch.req_pool_indices
+        )
+        check_slots(self._where, facts, forward_batch.out_cache_loc, self._num_slots, ENGINE_BUG)
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        if attnhost_mode is ForwardMode.TARGET_VERIFY:
+            batch = self._verify_batch(forward_batch, spec_info, facts)
+        else:
+            batch = self._extend_or_decode_batch(forward_batch, attnhost_mode, facts)
+        self._plan(forward_batch, batch)
+
+    def _extend_or_decode_batch(self, forward_batch: SGLangBatch, mode: ForwardMode, facts: BatchFacts) -> ForwardBatch:
+        """EXTEND, MIXED, DECODE and DRAFT_EXTEND_V2, on the scheduler's host copies of the lengths (authoritative
+        for these batches: SGLang's own kernels plan from them), checked against the device's."""
         seq_lens = forward_batch.seq_lens
         seq_cpu = ints(forward_batch.seq_lens_cpu, seq_lens)
-        if attnhost_mode is ForwardMode.DECODE:
-            if getattr(spec_info, "topk", 1) > 1:  # the draft's branch rows need the multi-step container
-                raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
+        if mode is ForwardMode.DECODE:
             prefix_lens = seq_lens - 1
             extend_lens = torch.ones_like(seq_lens)
             prefix_cpu = tuple(n - 1 for n in seq_cpu)
@@ -327,15 +350,21 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             extend_lens = forward_batch.extend_seq_lens
             prefix_cpu = tuple(forward_batch.extend_prefix_lens_cpu)
             extend_cpu = tuple(forward_batch.extend_seq_lens_cpu)
-        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
-        if attnhost_mode is ForwardMode.DRAFT_EXTEND_V2:
+        host = tuple(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True))
+        if host != facts.seq_lens:
+            raise InvalidBatchError(
+                f"{self._where}: this {mode.name} batch's host lengths (prefix + new tokens {list(host)}) disagree "
+                f"with its device seq_lens {list(facts.seq_lens)}, so neither can be trusted; nothing was read or "
+                f"written — {ENGINE_BUG}"
+            )
+        self._check_lengths(facts, prefix_cpu, extend_cpu, forward_batch.out_cache_loc)
+        if mode is ForwardMode.DRAFT_EXTEND_V2:
             # seq_lens already count the new tokens; they attend causally to the prefix and to each other, read
             # through a table of their own (the slots SGLang writes them to now), as SGLang's backends do.
-            self._plan(forward_batch, self._spec_batch(attnhost_mode, forward_batch, prefix_cpu, extend_cpu, None))
-            return
+            return self._spec_batch(mode, forward_batch, prefix_cpu, extend_cpu, None)
         self._kv._table = None
-        batch = ForwardBatch(
-            forward_mode=attnhost_mode,
+        return self._batch_of(
+            forward_mode=mode,
             kv_pool=self._kv,
             req_pool_indices=forward_batch.req_pool_indices,
             seq_lens=seq_lens,
@@ -346,50 +375,88 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=extend_cpu,
         )
-        self._plan(forward_batch, batch)
+
+    def _check_lengths(
+        self, facts: BatchFacts, prefix_cpu: tuple[int, ...], extend_cpu: tuple[int, ...], out_cache_loc: Tensor
+    ) -> None:
+        check_lengths(
+            self._where, facts, prefix_cpu, extend_cpu, self._kv._req_to_token_pool.req_to_token.shape, ENGINE_BUG
+        )
+        if out_cache_loc.numel() != sum(extend_cpu):
+            raise InvalidBatchError(
+                f"{self._where}: the batch brings {sum(extend_cpu)} new tokens but {out_cache_loc.numel()} write "
+                f"slots (out_cache_loc); nothing was read or written — {ENGINE_BUG}"
+            )
+
+    def _batch_of(self, **fields: Any) -> ForwardBatch:
+        """An attnhost batch, its own consistency refusals (``ForwardBatch``) named as this backend's."""
+        try:
+            return ForwardBatch(**fields)
+        except ValueError as exc:
+            raise InvalidBatchError(f"{self._where}: {exc}; nothing was read or written — {ENGINE_BUG}") from None
 
     def _plan(self, forward_batch: SGLangBatch, batch: ForwardBatch | None) -> None:
         """Remember the batch SGLang planned and let the attnhost backend plan its translation."""
         self._sglang_batch = forward_batch
+        self._batch = None  # a refused or failed plan leaves no batch behind to run layers on
         if batch is not None:
-            self.attnhost_backend.init_forward_metadata(batch)
+            try:
+                self.attnhost_backend.init_forward_metadata(batch)
+            except (Exception, SystemExit) as exc:
+                raise self.failure("init_forward_metadata", batch.forward_mode, None, exc) from exc
         self._batch = batch
         mode = forward_batch.forward_mode
         self._decode = None if batch is None or mode.is_mixed() else mode.is_decode()
 
-    def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any) -> ForwardBatch:
+    def failure(self, method: str, mode: ForwardMode, layer_id: int | None, exc: BaseException) -> BackendFailedError:
+        return backend_failed(self._where, self.origin, method, mode.name, layer_id, exc)
+
+    def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any, facts: BatchFacts) -> ForwardBatch:
         """TARGET_VERIFY: each request's ``draft_token_num`` new tokens after its committed ``seq_lens``.
 
-        A chain (``topk == 1``) is causal among them. A tree brings SGLang's ``custom_mask``: FULL_MASK (per
-        request, ``draft_token_num`` rows of ``seq_len + draft_token_num`` booleans) on GPU-style platforms,
-        QLEN_ONLY (``draft_token_num**2`` per request) where SGLang's ``is_cpu()`` holds; either becomes the
-        contract's per-request ``tree_mask`` blocks.
+        The committed lengths are the device's: a speculative worker's host copy may be only a planning bound
+        (DFLASH sets it to the committed length plus the block size), and attending to that many slots reads
+        slots that hold nothing yet. Whether the new tokens form a chain or a tree is read from the mask the
+        batch carries, never from an attribute some verify inputs lack (NGRAM's has no ``topk``): no
+        ``custom_mask``, or one that is causal among the new tokens, is a chain; anything else a tree, for
+        which SGLang's FULL_MASK (per request, ``draft_token_num`` rows of ``seq_len + draft_token_num``
+        booleans, GPU-style platforms) and QLEN_ONLY (``draft_token_num**2`` per request, where SGLang's
+        ``is_cpu()`` holds) layouts both become the contract's per-request ``tree_mask`` blocks.
         """
         draft_tokens = int(getattr(spec_info, "draft_token_num", 0) or 0)
         if draft_tokens < 1:
             raise self.refusal("a target-verify batch without draft_token_num (not an EAGLE verify input)")
-        committed = ints(getattr(forward_batch, "seq_lens_cpu", None), forward_batch.seq_lens)
-        tree_mask = None
-        if int(getattr(spec_info, "topk", 1) or 1) > 1:
-            if not self.capabilities.tree_mask:
-                raise self.refusal(
-                    "speculative tree verify (EAGLE topk > 1; it declares no tree_mask capability)",
-                    "run chains (--speculative-eagle-topk 1) or choose a backend that declares tree_mask",
-                )
-            tree_mask = self._tree_mask(spec_info.custom_mask, committed, draft_tokens)
-        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        committed = facts.seq_lens
         extend = (draft_tokens,) * len(committed)
+        self._check_lengths(facts, committed, extend, forward_batch.out_cache_loc)
+        tree_mask = self._tree_mask(getattr(spec_info, "custom_mask", None), committed, draft_tokens)
+        if tree_mask is not None and not self.capabilities.tree_mask:
+            raise self.refusal(
+                "speculative tree verify (this batch's custom_mask is a tree; it declares no tree_mask capability)",
+                "run chains (--speculative-eagle-topk 1) or choose a backend that declares tree_mask",
+            )
         return self._spec_batch(ForwardMode.TARGET_VERIFY, forward_batch, committed, extend, tree_mask)
 
-    def _tree_mask(self, custom_mask: Tensor | None, committed: tuple[int, ...], draft_tokens: int) -> Tensor:
-        blocks = None if custom_mask is None else tree_blocks(custom_mask, committed, draft_tokens)
-        if blocks is None:
-            size = "none" if custom_mask is None else f"{custom_mask.numel()} entries"
-            raise self.refusal(
-                f"this tree verify batch: SGLang's custom_mask ({size}) fits neither its QLEN_ONLY nor its "
-                f"FULL_MASK layout for {len(committed)} requests of {draft_tokens} draft tokens",
-                "report this to attnhost's maintainers",
+    def _tree_mask(self, custom_mask: Tensor | None, committed: tuple[int, ...], draft_tokens: int) -> Tensor | None:
+        """The verify batch's tree as the contract's blocks, or ``None`` for a chain (no mask, or a causal one)."""
+        if custom_mask is None:
+            return None
+        if custom_mask.dtype != torch.bool or custom_mask.dim() != 1:
+            raise InvalidBatchError(
+                f"{self._where}: this verify batch's custom_mask is a {custom_mask.dim()}-D {custom_mask.dtype} "
+                "tensor; SGLang's verify masks are flat bool tensors (True: the token may attend), and an additive "
+                f"float mask read as booleans would invert it; nothing was read or written — {ENGINE_BUG}"
             )
+        blocks = tree_blocks(custom_mask, committed, draft_tokens)
+        if blocks is None:
+            raise InvalidBatchError(
+                f"{self._where}: this verify batch's custom_mask ({custom_mask.numel()} entries) fits neither "
+                f"SGLang's QLEN_ONLY nor its FULL_MASK layout for {len(committed)} requests of {draft_tokens} draft "
+                f"tokens (draft_token_num); nothing was read or written — {ENGINE_BUG}"
+            )
+        causal = torch.ones(draft_tokens, draft_tokens, dtype=torch.bool, device=blocks.device).tril_()
+        if torch.equal(blocks.view(-1, draft_tokens, draft_tokens), causal.expand(len(committed), -1, -1)):
+            return None
         return blocks
 
     def plan_draft_step(self, forward_batch: SGLangBatch, table: Tensor, prefix_cpu: tuple[int, ...],
@@ -471,7 +538,10 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             v = v.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
         forward = getattr(self.attnhost_backend, method)
         if self.capabilities.flat_heads:  # SGLang's [tokens, heads * head_dim] both ways: no view per layer
-            out: Tensor = forward(q, k, v, attnhost_layer, batch, save_kv_cache)
+            try:  # free when nothing raises; a plugin's exception gets the one line naming it
+                out: Tensor = forward(q, k, v, attnhost_layer, batch, save_kv_cache)
+            except (Exception, SystemExit) as exc:
+                raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
             if out.dim() != 2:
                 raise RuntimeError(
                     f"{self._where} declares flat_heads but returned shape {tuple(out.shape)} for a "
@@ -479,7 +549,10 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                 )
             return out
         q3 = q.view(tokens, attnhost_layer.num_heads, attnhost_layer.head_dim)
-        out = forward(q3, k, v, attnhost_layer, batch, save_kv_cache)
+        try:
+            out = forward(q3, k, v, attnhost_layer, batch, save_kv_cache)
+        except (Exception, SystemExit) as exc:
+            raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
         return out.reshape(tokens, -1)
 
     def _same_batch(self, batch: ForwardBatch, forward_batch: SGLangBatch) -> bool:

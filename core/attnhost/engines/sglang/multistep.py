@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnhost.engines.sglang.adapter import SGLangAdapterBackend, ints, slot_table
+from attnhost.engines.batch_checks import check_lengths, check_slots, read_batch_facts
+from attnhost.engines.sglang.adapter import ENGINE_BUG, SGLangAdapterBackend, slot_table
+from attnhost.errors import InvalidBatchError
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
@@ -31,7 +33,7 @@ __all__ = ["SGLangMultiStepDraftBackend"]
 class SGLangMultiStepDraftBackend:
     """The per-step draft-decode backends of one SGLang draft runner, planned together once per round."""
 
-    needs_cpu_seq_lens = True  # the adapters read SGLang's host copies of the lengths
+    needs_cpu_seq_lens = True  # the adapters read SGLang's host copies of an extend's or a decode's lengths
 
     def __init__(
         self, model_runner: Any, topk: int, speculative_num_steps: int, build: Callable[[], SGLangAdapterBackend]
@@ -58,8 +60,19 @@ class SGLangMultiStepDraftBackend:
                 f"{self.speculative_num_steps} steps",
                 "report this to attnhost's maintainers",
             )
+        carried = getattr(forward_batch.spec_info, "topk_p", None)  # [batch, topk]: the round's own breadth
+        if carried is not None and carried.dim() == 2 and carried.shape[1] != self.topk:
+            raise InvalidBatchError(
+                f"{first._where}: a draft round laid out for topk {carried.shape[1]} reached the multi-step "
+                f"container built for topk {self.topk}, so each step's K/V would land in another step's slots; "
+                f"nothing was read or written — {ENGINE_BUG}"
+            )
+        facts = read_batch_facts(first._where, forward_batch.seq_lens, loc, forward_batch.req_pool_indices)
+        check_slots(first._where, facts, loc, first._num_slots, ENGINE_BUG)
+        steps = (self.speculative_num_steps,) * forward_batch.batch_size
+        check_lengths(first._where, facts, facts.seq_lens, steps, self.req_to_token_pool.req_to_token.shape, ENGINE_BUG)
         per_row = loc.view(rows, -1)[:, : self.speculative_num_steps]  # a planned wider window leads with ours
-        prefix = tuple(n for n in ints(forward_batch.seq_lens_cpu, forward_batch.seq_lens) for _ in range(self.topk))
+        prefix = tuple(n for n in facts.seq_lens for _ in range(self.topk))  # the device's: authoritative
         table = slot_table(
             self.req_to_token_pool.req_to_token,
             torch.repeat_interleave(forward_batch.req_pool_indices, self.topk),

@@ -66,7 +66,13 @@ from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabiliti
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.names import BACKENDS_MODULE
-from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
+from attnhost.errors import (
+    BackendFailedError,
+    BackendUnavailableError,
+    UnsupportedFeatureError,
+    backend_failed,
+    plugin_label,
+)
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host
@@ -111,6 +117,9 @@ class _Identity:
     def refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
         return UnsupportedFeatureError(f"{self.where} does not support {feature}; {way_out}")
 
+    def failed(self, method: str, batch: ForwardBatch, layer_id: int | None, exc: BaseException) -> BackendFailedError:
+        return backend_failed(self.where, self.origin, method, batch.forward_mode.name, layer_id, exc)
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -153,12 +162,19 @@ class VLLMKVCache:
 
 @dataclass(frozen=True, slots=True)
 class AttnhostVLLMMetadata:
-    """Per-batch metadata: the attnhost batch (``None`` when no request runs) and the backend that planned it."""
+    """Per-batch metadata: the attnhost batch (``None`` when no request runs) and the backend that planned it.
+
+    ``written``: in a batch where vLLM marks some new tokens' slots ``-1`` (its drafter's rejected tokens, or tokens
+    past the model's length, between other tokens), the rows that do have a slot and their slots; ``None`` when
+    every new token has one. Such rows are written by the adapter itself, and the backend runs with
+    ``save_kv_cache=False``: a ``-1`` reaches no backend's write, and no slot is read for it.
+    """
 
     batch: ForwardBatch | None
     kv: VLLMKVCache | None
     backend: AttentionBackend
     num_actual_tokens: int
+    written: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM is untyped here
@@ -281,8 +297,11 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=tuple(query_lens),
         )
-        self.attnhost_backend.init_forward_metadata(batch)
-        return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens)
+        try:
+            self.attnhost_backend.init_forward_metadata(batch)
+        except (Exception, SystemExit) as exc:
+            raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
+        return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, _slotted_rows(batch.out_cache_loc))
 
     def _req_to_token(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
         """``block_table`` at token level: entry ``[r, p]`` is the slot of token ``p`` of request ``r``."""
@@ -397,7 +416,14 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         if views is None or views[2] is not kv_cache:
             kv.views[attn_layer.layer_id] = self._views(kv_cache)
         n = attn_metadata.num_actual_tokens
-        out = attn_metadata.backend.forward(query[:n], key[:n], value[:n], attn_layer, batch, True)
+        written = attn_metadata.written
+        if written is not None:  # rows without a slot (-1): the others are written here, the backend writes none
+            rows, slots = written
+            kv.set_kv(attn_layer.layer_id, slots, key.index_select(0, rows), value.index_select(0, rows))
+        try:  # free when nothing raises; a plugin's exception gets the one line naming it
+            out = attn_metadata.backend.forward(query[:n], key[:n], value[:n], attn_layer, batch, written is None)
+        except (Exception, SystemExit) as exc:
+            raise self.identity.failed("forward", batch, attn_layer.layer_id, exc) from exc
         output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
         return output
 
@@ -423,6 +449,15 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
                 f"set VLLM_KV_CACHE_LAYOUT={KV_LAYOUT.name} or pair it with backends that accept {KV_LAYOUT.name}",
             ) from None
         return flat[..., :dim], flat[..., dim:], kv_cache
+
+
+def _slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of a batch's new tokens that have a slot, and their slots, when some have none (``-1``)."""
+    has_slot = slot_mapping >= 0
+    if bool(has_slot.all()):  # one read per batch; the usual answer
+        return None
+    rows = has_slot.nonzero().squeeze(1)
+    return rows, slot_mapping.index_select(0, rows)
 
 
 def _check_spec(identity: _Identity, spec: Any) -> None:

@@ -10,7 +10,10 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   exactly when draft-capable, and SGLang's own implementation of a clashing
   name kept;
 * SGLang's own dense attention kit, every case, in each dtype the backend
-  declares (the others skip with the reason);
+  declares (the others skip with the reason), and its speculative verify kit
+  for every verify input SGLang has (EAGLE, frozen-KV MTP, DFLASH, NGRAM;
+  chains, and trees where the backend declares tree masks), with DFLASH's host
+  lengths as a planning bound;
 * a real ``sglang.Engine`` on a tiny locally made Llama, ``NAME`` as the
   attention backend, whose greedy ids must equal HF transformers';
 * a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
@@ -47,6 +50,12 @@ from attnhost_sglang_cpu import tiny_model as tm  # noqa: E402
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases, run_case  # noqa: E402
 from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, read_probe, run_engines, speculative_summary  # noqa: E402
 from attnhost_sglang_cpu.run_engine import speculative_args  # noqa: E402
+from attnhost_sglang_cpu.spec_verify import (  # noqa: E402
+    SPEC_VERIFY_KINDS,
+    run_spec_verify_case,
+    spec_verify_case,
+    spec_verify_id,
+)
 
 __all__ = ["TestSGLangEngine"]
 
@@ -143,6 +152,23 @@ class TestSGLangEngine:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {declared})")
         case = dense_cases(sglang_name(attnhost_backend_name))[case_index]
         run_case(case, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+    @pytest.mark.parametrize("kind", SPEC_VERIFY_KINDS, ids=[spec_verify_id(*kind) for kind in SPEC_VERIFY_KINDS])
+    def test_sglang_spec_verify_kit(
+        self, attnhost_backend_name: str, kind: tuple[str, int, bool], dtype: torch.dtype
+    ) -> None:
+        spec_kind, topk, host_bound = kind
+        capabilities = _capabilities(attnhost_backend_name)
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in capabilities.dtypes:
+            pytest.skip(
+                f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
+            )
+        if topk > 1 and not capabilities.tree_mask:
+            pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
+        case = spec_verify_case(sglang_name(attnhost_backend_name), (3, 30, 12), (4, 2), topk)
+        run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound)
 
     def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
         backend = sglang_name(attnhost_backend_name)

@@ -40,8 +40,12 @@ BATCHES: dict[str, list[tuple[int, int]]] = {
     "decode": [(5, 1), (17, 1), (1, 1), (40, 1)],
     "mixed": [(9, 1), (0, 6), (21, 1), (13, 5)],
     "prefix_cached": [(16, 4), (8, 9), (33, 2)],
+    "drafter_rejected": [(9, 4), (0, 6), (21, 3), (5, 1)],
 }
 """``(cached prefix, new tokens)`` per request, for each kind of batch vLLM's scheduler forms."""
+REJECTED: dict[str, list[int]] = {"drafter_rejected": [2, 0, 1, 0]}
+"""Per request, how many of its last new tokens carry slot ``-1`` (vLLM's drafter marks rejected tokens so, between
+other requests' real tokens): never written, never read, their outputs discarded."""
 SHAPES: dict[str, tuple[int, int]] = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
 """(query heads, KV heads)."""
 BLOCK_SIZES = (1, 4, 16)
@@ -77,7 +81,7 @@ class ForwardCase:
         heads, kv_heads = SHAPES[self.shape]
         return make_case(
             BATCHES[self.batch], block_size=self.block_size, num_heads=heads, num_kv_heads=kv_heads,
-            dtype=self.dtype, layout=KVCacheLayout[self.layout],
+            dtype=self.dtype, layout=KVCacheLayout[self.layout], rejected=REJECTED.get(self.batch),
         )  # fmt: skip
 
 
@@ -119,9 +123,11 @@ def problem(case: Case, outputs: list[torch.Tensor], before: list[torch.Tensor],
     starts = [0]
     for r in case.requests:
         starts.append(starts[-1] + r.query)
+    kept = torch.tensor([r.written(p) for r in case.requests for p in range(r.prefix, r.seq)])
     for layer, output in enumerate(outputs):
         got = output[:n].double()
         ref = case.reference(layer)
+        got[~kept] = ref[~kept]  # a rejected token's output is discarded: anything finite or not will do
         if not bool(torch.isfinite(got).all()):
             token = int((~torch.isfinite(got)).flatten().nonzero()[0]) // (got.shape[1] * got.shape[2])
             return f"output not finite (or never written) at {_where(case, starts, token, layer)}"
@@ -138,7 +144,7 @@ def problem(case: Case, outputs: list[torch.Tensor], before: list[torch.Tensor],
     for layer, cache in enumerate(case.caches):
         written = torch.zeros(cache.shape[0], cache.shape[2], dtype=torch.bool)  # [block, offset]
         for i, r in enumerate(case.requests):
-            for p in range(r.prefix, r.seq):
+            for p in filter(r.written, range(r.prefix, r.seq)):
                 block, offset = case.slot(r, p)
                 written[block, offset] = True
                 k, v = case.cached(layer, r, p)
@@ -155,7 +161,8 @@ def problem(case: Case, outputs: list[torch.Tensor], before: list[torch.Tensor],
             block, offset = (int(x) for x in changed.nonzero()[0])
             return (
                 f"KV cache, layer {layer}: block {block} offset {offset} changed, but no new token's slot is there "
-                f"(slot_mapping pads rows with -1: skip them; write only the new tokens' slots; head size {d})"
+                f"(slot_mapping marks padded and rejected rows with -1: skip them; write only the new tokens' slots; "
+                f"head size {d})"
             )
     return None
 

@@ -67,10 +67,17 @@ class Request:
     k: list[torch.Tensor]  # per layer, [seq_len, kv_heads, head] float64: the whole sequence
     v: list[torch.Tensor]
     q: list[torch.Tensor]  # per layer, [query, heads, head] float64
+    rejected: int = 0
+    """Its last ``rejected`` new tokens carry slot ``-1``, as vLLM's drafter marks rejected tokens: never written,
+    their outputs discarded."""
 
     @property
     def seq(self) -> int:
         return self.prefix + self.query
+
+    def written(self, position: int) -> bool:
+        """Whether the new token at ``position`` has a slot (not a rejected one)."""
+        return position < self.seq - self.rejected
 
 
 @dataclass
@@ -142,8 +149,10 @@ def make_case(
     shuffle_blocks: bool = True,
     padding: int = 3,
     seed: int = 0,
+    rejected: list[int] | None = None,
 ) -> Case:
-    """A batch of ``(prefix_len, query_len)`` requests with their prefixes already in vLLM's cache."""
+    """A batch of ``(prefix_len, query_len)`` requests with their prefixes already in vLLM's cache; ``rejected``:
+    per request, how many of its last new tokens vLLM's drafter marked rejected (slot ``-1``)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
@@ -162,7 +171,7 @@ def make_case(
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
     reqs = []
-    for prefix, query in requests:
+    for (prefix, query), dropped in zip(requests, rejected or [0] * len(requests), strict=True):
         seq = prefix + query
         blocks = [free.pop() for _ in range(-(-seq // block_size))]
         reqs.append(
@@ -173,6 +182,7 @@ def make_case(
                 k=[randn(seq, num_kv_heads, head_size) for _ in range(num_layers)],
                 v=[randn(seq, num_kv_heads, head_size) for _ in range(num_layers)],
                 q=[randn(query, num_heads, head_size) for _ in range(num_layers)],
+                rejected=dropped,
             )
         )
     case = Case(spec, num_heads, reqs, caches, _metadata(reqs, block_size, padding), padding)
@@ -199,9 +209,11 @@ def _metadata(reqs: list[Request], block_size: int, padding: int) -> CommonAtten
     table[len(reqs) :] = 7
     for i, r in enumerate(reqs):
         table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
-    slots = [r.blocks[p // block_size] * block_size + p % block_size for r in reqs for p in range(r.prefix, r.seq)] + [
-        PAD_SLOT
-    ] * padding
+    slots = [
+        r.blocks[p // block_size] * block_size + p % block_size if r.written(p) else PAD_SLOT
+        for r in reqs
+        for p in range(r.prefix, r.seq)
+    ] + [PAD_SLOT] * padding
     query_start_loc = torch.tensor(starts, dtype=torch.int32)
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc,
