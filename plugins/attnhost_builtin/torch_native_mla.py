@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from attnhost.backend import AttentionLayer
     from attnhost.forward_batch import ForwardBatch
     from attnhost.mla import MLAConfig
-
     from attnhost_builtin.torch_native import _BatchPlan, _RequestPlan
 
 __all__ = ["check_mha_batch", "forward_mha", "forward_mqa"]
