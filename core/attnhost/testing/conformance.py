@@ -33,7 +33,8 @@ backend's declared ``capabilities.head_dims`` exclude it), ``seed`` and
 The speculative batches (verify as a chain and as a tree, draft-extend, draft
 decode over branch rows that share their request's prefix slots) run in every
 float dtype the backend declares; the tree cases only for a backend that
-declares ``capabilities.tree_mask``.
+declares ``capabilities.tree_mask``. The MLA cases (:mod:`attnhost.testing.mla_conformance`) run for a backend
+that declares ``capabilities.mla``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
+from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import reference_attention, tree_mask
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
@@ -139,7 +141,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance:
+class BackendConformance(MLAConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     backend_name: ClassVar[str | None] = None
