@@ -9,11 +9,10 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
-import torch
-from attnhost_builtin.torch_native import TorchNativeAttnBackend
+import torch  # noqa: E402
 
-import attnhost
-from attnhost import (
+import attnhost  # noqa: E402
+from attnhost import (  # noqa: E402
     AttentionBackend,
     AttentionLayer,
     BackendCapabilities,
@@ -24,11 +23,12 @@ from attnhost import (
     ServerArgs,
     UnsupportedFeatureError,
 )
-from attnhost.host import get_registry
-from attnhost.mla import MLAConfig, MLAForm
-from attnhost.mla_pool import MLAKVPool
-from attnhost.testing import BackendConformance
-from attnhost.testing.mla_reference import reference_mla_absorbed, reference_mla_mha
+from attnhost.host import get_registry  # noqa: E402
+from attnhost.mla import MLAConfig, MLAForm  # noqa: E402
+from attnhost.mla_pool import MLAKVPool  # noqa: E402
+from attnhost.testing import BackendConformance  # noqa: E402
+from attnhost.testing.mla_reference import reference_mla_absorbed, reference_mla_mha  # noqa: E402
+from attnhost_builtin.torch_native import TorchNativeAttnBackend  # noqa: E402
 
 CONFIG = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24)
 TOL = 1e-5

@@ -218,7 +218,8 @@ class MLAConformance:
         slots = pool.alloc_slots(17).flip(0)
         pool.req_to_token[scattered, :17] = slots
         for layer in runner.layers:
-            pool.set_kv(layer.layer_id, slots, self._randn(17, 1, layer.head_dim, dtype=pool.dtype), None)
+            rows = self._randn(17, 1, layer.head_dim, dtype=pool.dtype)
+            pool.set_kv(layer.layer_id, slots, rows, rows[..., : layer.v_head_dim])
         return r, scattered
 
     # -- the cases --------------------------------------------------------------------
@@ -333,7 +334,9 @@ class MLAConformance:
                 k = self._randn(n, layer.num_heads, layer.head_dim, dtype=dtype)
                 v = self._randn(n, layer.num_heads, layer.v_head_dim, dtype=dtype)
                 latent = self._randn(n, 1, config.latent_dim, dtype=dtype)
-                pool.set_kv(layer.layer_id, batch.out_cache_loc, latent, None)  # the model writes the latent
+                pool.set_kv(
+                    layer.layer_id, batch.out_cache_loc, latent, latent[..., : config.kv_lora_rank]
+                )  # the model writes the latent
                 expected = pool.k_buffer(layer.layer_id).clone()
                 try:
                     with torch.no_grad(), runner.forward_context() as backend:
