@@ -80,7 +80,10 @@ def absorbed_step(
 
 
 def test_the_two_forms_have_sglangs_shapes_and_the_models_scaling() -> None:
-    absorbed, mha = CONFIG.layer(MLAForm.ABSORBED, 3, 8), CONFIG.layer(MLAForm.MHA, 3, 8)
+    absorbed, mha = (
+        AttentionLayer.for_mla(CONFIG, MLAForm.ABSORBED, 3, 8),
+        AttentionLayer.for_mla(CONFIG, MLAForm.MHA, 3, 8),
+    )
     assert (absorbed.num_kv_heads, absorbed.head_dim, absorbed.v_head_dim) == (1, 48, 32)
     assert (mha.num_kv_heads, mha.head_dim, mha.v_head_dim) == (8, 32, 24)
     # absorbing W_UK into the queries changes no score: both forms keep 1/sqrt(qk_nope + qk_rope)
@@ -243,7 +246,9 @@ def test_the_base_contract_refuses_mla_by_name() -> None:
     backend = Plain()
     backend.prefill_attention_backend_str = "plain"
     with pytest.raises(UnsupportedFeatureError, match="'plain' does not implement MLA"):
-        backend.forward_mla_mqa(torch.zeros(1), None, None, CONFIG.layer(MLAForm.ABSORBED, 0, 2), None)  # type: ignore[arg-type]
+        backend.forward_mla_mqa(
+            torch.zeros(1), None, None, AttentionLayer.for_mla(CONFIG, MLAForm.ABSORBED, 0, 2), None
+        )  # type: ignore[arg-type]
 
 
 # -- the conformance kit ----------------------------------------------------------------------

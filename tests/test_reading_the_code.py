@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 CORE = ROOT / "core" / "attnhost"
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-CORE_LINE_BUDGET = 3_950  # issue 10: the core without testing/ and engines/
+CORE_LINE_BUDGET = 4_250  # issue 10: the core without testing/ and engines/ (MLA in the contract: +300)
 
 
 def _module(path: Path) -> str:

@@ -93,7 +93,7 @@ class AttentionLayer:
     ``1/sqrt(head_dim)`` (an MLA layer's: ``mla.default_scaling``), and consecutive groups of query heads share a KV
     head (GQA, MQA). ``head_dim`` is the QK head dim; ``v_head_dim`` (``<= 0``: ``head_dim``) differs from it only in
     MLA layers, which carry their model's ``mla`` facts and the ``mla_form`` they are called in
-    (:meth:`attnhost.mla.MLAConfig.layer` builds them)."""
+    (:meth:`for_mla` builds them)."""
 
     layer_id: int
     num_heads: int
@@ -112,16 +112,17 @@ class AttentionLayer:
         if (self.mla is None) != (self.mla_form is None):
             raise ValueError(
                 f"layer {self.layer_id}: an MLA layer needs both mla (an MLAConfig) and mla_form (an MLAForm), "
-                f"got mla={self.mla!r}, mla_form={self.mla_form!r}; build it with MLAConfig.layer()"
+                f"got mla={self.mla!r}, mla_form={self.mla_form!r}; build it with AttentionLayer.for_mla()"
             )
-        if self.mla is not None:
-            problem = self.mla.shape_problem(self)
+        if self.mla is not None and self.mla_form is not None:
+            got = (self.num_kv_heads, self.head_dim, self.v_head_dim)
+            problem = self.mla.shape_problem(self.layer_id, self.mla_form, got, self.num_heads)
             if problem is not None:
                 raise ValueError(problem)
         elif self.v_head_dim != self.head_dim:
             raise ValueError(
                 f"layer {self.layer_id}: v_head_dim={self.v_head_dim} differs from head_dim={self.head_dim}, which "
-                "only MLA layers may do; give the layer its MLAConfig (MLAConfig.layer())"
+                "only MLA layers may do; give the layer its MLAConfig (AttentionLayer.for_mla())"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -131,6 +132,15 @@ class AttentionLayer:
         if self.scaling <= 0:
             default = self.mla.default_scaling if self.mla is not None else 1.0 / math.sqrt(self.head_dim)
             object.__setattr__(self, "scaling", default)
+
+    @classmethod
+    def for_mla(
+        cls, mla: MLAConfig, form: MLAForm, layer_id: int, num_heads: int, scaling: float = -1.0
+    ) -> AttentionLayer:
+        """One model layer of an MLA model in one form (``scaling <= 0``: the model's default); a model builds
+        both forms of each layer with the same ``layer_id``."""
+        kv_heads, head_dim, v_head_dim = mla.shape(form, num_heads)
+        return cls(layer_id, num_heads, kv_heads, head_dim, scaling, v_head_dim=v_head_dim, mla=mla, mla_form=form)
 
 
 class AttentionBackend(abc.ABC):
@@ -193,7 +203,7 @@ class AttentionBackend(abc.ABC):
         if k is None or v is None or q_rope is not None or k_rope is not None:
             raise ValueError(
                 f"layer {layer.layer_id} is a dense layer: it takes k and v and no q_rope/k_rope (those belong to "
-                "MLA layers in the absorbed form: build the layer with MLAConfig.layer())"
+                "MLA layers in the absorbed form: build the layer with AttentionLayer.for_mla())"
             )
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)

@@ -19,10 +19,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from attnhost.backend import AttentionLayer
 
 __all__ = ["MLAConfig", "MLAForm"]
 
@@ -71,32 +67,22 @@ class MLAConfig:
         are wider (absorbing the key projection changes no score)."""
         return 1.0 / math.sqrt(self.qk_head_dim)
 
-    def layer(self, form: MLAForm, layer_id: int, num_heads: int, scaling: float = -1.0) -> AttentionLayer:
-        """The :class:`~attnhost.backend.AttentionLayer` of one model layer in one form (``scaling <= 0``: the
-        model's default); a model builds both forms of each layer with the same ``layer_id``."""
-        from attnhost.backend import AttentionLayer
-
+    def shape(self, form: MLAForm, num_heads: int) -> tuple[int, int, int]:
+        """``(num_kv_heads, head_dim, v_head_dim)`` of a layer in ``form``."""
         if form is MLAForm.ABSORBED:
-            kv_heads, head_dim, v_head_dim = 1, self.latent_dim, self.kv_lora_rank
-        else:
-            kv_heads, head_dim, v_head_dim = num_heads, self.qk_head_dim, self.v_head_dim
-        return AttentionLayer(
-            layer_id, num_heads, kv_heads, head_dim, scaling, v_head_dim=v_head_dim, mla=self, mla_form=form
-        )
+            return 1, self.latent_dim, self.kv_lora_rank
+        return num_heads, self.qk_head_dim, self.v_head_dim
 
-    def shape_problem(self, layer: AttentionLayer) -> str | None:
-        """Why ``layer``'s head counts and dims do not fit its declared form, or ``None`` when they do."""
-        if layer.mla_form is MLAForm.ABSORBED:
-            expected = (1, self.latent_dim, self.kv_lora_rank)
+    def shape_problem(self, layer_id: int, form: MLAForm, got: tuple[int, int, int], num_heads: int) -> str | None:
+        """Why a layer's ``(num_kv_heads, head_dim, v_head_dim)`` do not fit ``form``, or ``None`` when they do."""
+        expected = self.shape(form, num_heads)
+        if form is MLAForm.ABSORBED:
             label = "num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim, v_head_dim kv_lora_rank"
         else:
-            expected = (layer.num_heads, self.qk_head_dim, self.v_head_dim)
             label = "num_kv_heads num_heads, head_dim qk_nope + qk_rope, v_head_dim the config's v_head_dim"
-        got = (layer.num_kv_heads, layer.head_dim, layer.v_head_dim)
         if got == expected:
             return None
-        form = layer.mla_form.value if layer.mla_form is not None else "no"
         return (
-            f"layer {layer.layer_id}: an MLA layer in the {form} form has (num_kv_heads, head_dim, v_head_dim) = "
-            f"{expected} ({label}), got {got}; build it with MLAConfig.layer()"
+            f"layer {layer_id}: an MLA layer in the {form.value} form has (num_kv_heads, head_dim, v_head_dim) = "
+            f"{expected} ({label}), got {got}; build it with AttentionLayer.for_mla()"
         )

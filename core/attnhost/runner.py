@@ -100,8 +100,8 @@ class ModelRunner:
                 device=self.device,
             )
         else:
-            self.layers = tuple(mla.layer(MLAForm.ABSORBED, i, num_heads) for i in range(num_layers))
-            self.mha_layers = tuple(mla.layer(MLAForm.MHA, i, num_heads) for i in range(num_layers))
+            self.layers = tuple(AttentionLayer.for_mla(mla, MLAForm.ABSORBED, i, num_heads) for i in range(num_layers))
+            self.mha_layers = tuple(AttentionLayer.for_mla(mla, MLAForm.MHA, i, num_heads) for i in range(num_layers))
             self.kv_pool = MLAKVPool(
                 num_layers,
                 num_slots,

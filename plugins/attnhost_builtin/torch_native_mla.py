@@ -31,7 +31,7 @@ __all__ = ["check_mha_batch", "forward_mha", "forward_mqa"]
 def _facts(layer: AttentionLayer) -> MLAConfig:
     mla = layer.mla
     if mla is None:
-        raise ValueError(f"layer {layer.layer_id} is not an MLA layer; build it with MLAConfig.layer()")
+        raise ValueError(f"layer {layer.layer_id} is not an MLA layer; build it with AttentionLayer.for_mla()")
     return mla
 
 
