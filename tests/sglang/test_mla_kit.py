@@ -46,7 +46,9 @@ def _exported() -> dict[str, bool]:
     plan = current_plan()
     assert plan is not None, "attnhost's SGLang plugin did not run"
     return {
-        name: capabilities_of(backend.entry.spec.load()).mla for backend in plan.backends for name in backend.engine_names
+        name: capabilities_of(backend.entry.spec.load()).mla
+        for backend in plan.backends
+        for name in backend.engine_names
     }
 
 
@@ -97,9 +99,8 @@ def test_a_backend_without_mla_is_refused_by_name_when_the_runner_builds_it() ->
 
 
 def test_a_quantized_latent_cache_is_refused_by_name() -> None:
-    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import build_mla_attention_fixture
-
     from attnhost_sglang_cpu.dense import KitCase
+    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import build_mla_attention_fixture
 
     case = mla_cases("attnhost_torch_native")[0]
     with pytest.raises(UnsupportedFeatureError, match=r"attnhost_torch_native.*quantized KV cache"):

@@ -77,7 +77,10 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
     def _mla_layer(self, layer: RadixAttention, k: Tensor | None, save_kv_cache: bool) -> AttentionLayer:
         """The attnhost view of one of SGLang's two layer objects of an MLA layer, decided on its first call."""
         lid = layer.layer_id
-        if getattr(layer, "is_cross_attention", False) or getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER":
+        if (
+            getattr(layer, "is_cross_attention", False)
+            or getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER"
+        ):
             raise self.refusal(f"non-causal or cross-attention (layer {lid})")
         if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
             raise self.refusal(f"sliding-window attention (layer {lid})")

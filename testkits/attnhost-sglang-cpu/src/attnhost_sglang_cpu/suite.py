@@ -11,6 +11,9 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   name kept;
 * SGLang's own dense attention kit, every case, in each dtype the backend
   declares (the others skip with the reason);
+* SGLang's own MLA attention kit, every case, with and without a rotary part,
+  in each declared dtype, for a backend that declares ``mla`` (the others
+  skip with the reason);
 * a real ``sglang.Engine`` on a tiny locally made Llama, ``NAME`` as the
   attention backend, whose greedy ids must equal HF transformers';
 * a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
@@ -46,6 +49,7 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  #
 from attnhost_sglang_cpu import tiny_model as tm  # noqa: E402
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases, run_case  # noqa: E402
 from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, read_probe, run_engines, speculative_summary  # noqa: E402
+from attnhost_sglang_cpu.mla_kit import ROPE_DIMS, mla_cases, run_mla_case  # noqa: E402
 from attnhost_sglang_cpu.run_engine import speculative_args  # noqa: E402
 
 __all__ = ["TestSGLangEngine"]
@@ -55,6 +59,7 @@ BRIDGE = "attnhost.engines.sglang.bridge"
 #: SGLang wants one CPU set per rank when the ranks outnumber NUMA nodes.
 RANK_CPUS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 N_DENSE = len(dense_cases("any"))
+N_MLA = len(mla_cases("any"))
 
 
 def _entry(name: str) -> Any:
@@ -143,6 +148,20 @@ class TestSGLangEngine:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {declared})")
         case = dense_cases(sglang_name(attnhost_backend_name))[case_index]
         run_case(case, dtype)
+
+    @pytest.mark.parametrize("rope", ROPE_DIMS, ids=[f"rope{r}" for r in ROPE_DIMS])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+    @pytest.mark.parametrize("case_index", range(N_MLA))
+    def test_sglang_mla_kit(self, attnhost_backend_name: str, dtype: torch.dtype, case_index: int, rope: int) -> None:
+        capabilities = _capabilities(attnhost_backend_name)
+        if not capabilities.mla:
+            pytest.skip(f"backend {attnhost_backend_name!r} does not declare MLA (capabilities.mla)")
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in capabilities.dtypes:
+            pytest.skip(
+                f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
+            )
+        run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope)
 
     def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
         backend = sglang_name(attnhost_backend_name)
