@@ -117,18 +117,18 @@ def test_deepseek_dispatch_knows_attnhosts_mla_names_only() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("index", "expected"),
-    [
-        (1, AttnForwardMethod.MHA),  # mla_extend_zero_prefix_exact_page: a prefill, no cached prefix
-        (2, AttnForwardMethod.MHA),  # mla_extend_zero_prefix_input_page_edges
-        (0, AttnForwardMethod.MLA),  # mla_extend_page_size_1: cached prefixes
-        (6, AttnForwardMethod.MLA),  # mla_extend_ragged_page_boundary: some requests with a prefix
-        (8, AttnForwardMethod.MLA),  # mla_decode_page_boundary
-    ],
-)
-def test_deepseek_dispatch_picks_the_form_the_backend_serves(index: int, expected: AttnForwardMethod) -> None:
-    case = mla_cases("attnhost_torch_native")[index]
+FORMS = {  # SGLang's MLA case -> the form attnhost's handler must pick
+    "mla_extend_zero_prefix_exact_page": AttnForwardMethod.MHA,  # a prefill, no cached prefix
+    "mla_extend_zero_prefix_input_page_edges": AttnForwardMethod.MHA,
+    "mla_extend_page_size_1": AttnForwardMethod.MLA,  # cached prefixes
+    "mla_extend_ragged_page_boundary": AttnForwardMethod.MLA,  # one request without a prefix, two with
+    "mla_decode_page_boundary": AttnForwardMethod.MLA,
+}
+
+
+@pytest.mark.parametrize(("name", "expected"), [pytest.param(n, f, id=n) for n, f in FORMS.items()])
+def test_deepseek_dispatch_picks_the_form_the_backend_serves(name: str, expected: AttnForwardMethod) -> None:
+    [case] = [c for c in mla_cases("attnhost_torch_native") if c.name == name]
     fixture = build_mla_fixture(case)
     handler = AttentionBackendRegistry.get_handler("attnhost_torch_native")
     assert handler(fixture.actual_module, fixture.forward_batch) is expected, case.name
