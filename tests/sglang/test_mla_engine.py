@@ -64,6 +64,7 @@ def mla_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) ->
     runs.append({"name": "seed", "backend": TARGET, "model": small, "passes": 2, "engine_args": spec,
                  "env": SPECULATIVE_ENV})  # fmt: skip
     runs.append({"name": "tp2", "backend": TARGET, "model": small, "engine_args": {"tp_size": 2}, "env": RANK_CPUS})
+    runs.append({"name": "refused", "backend": DRAFT, "model": small})  # last: a refused start ends its driver
     done = run_engines(
         models["latent32"].path,
         tiny_model.prompts,
@@ -172,6 +173,15 @@ def test_tp2_ids_equal_tp1(mla_runs: MLARuns) -> None:
         ("forward_mla_mha", "EXTEND"),
         ("forward_mla_mqa", "DECODE"),
     }
+
+
+def test_a_backend_without_mla_is_refused_by_name_when_the_model_loads(mla_runs: MLARuns) -> None:
+    error = mla_runs.runs.results["refused"].get("error", "")
+    assert error, "an MLA model started on 'tiny', which does not declare mla"
+    [line] = [line for line in error.splitlines() if "BackendCapabilities.mla" in line][-1:]
+    assert "attnhost backend 'tiny'" in line and "DeepseekV2ForCausalLM" in line, line
+    assert str(mla_runs.models["latent32"].path) in line and "kv_lora_rank 32" in line, line
+    assert "attnhost_torch_native" in line, line  # the way out
 
 
 def test_mla_drivers_left_nothing_behind(mla_runs: MLARuns) -> None:

@@ -44,13 +44,12 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
     def _check_runner(self, runner: Any) -> None:
         """Refuse, before any batch, a backend that does not declare ``mla`` and a latent pool it cannot read."""
         model_config = getattr(runner, "model_config", None)
-        model = getattr(model_config, "model_path", None) or type(model_config).__name__
+        pool = self.token_to_kv_pool
         if not self.capabilities.mla:
             raise self.refusal(
-                f"the MLA model {model} (multi-head latent attention): it does not declare BackendCapabilities.mla",
+                f"the MLA model {_model_name(model_config, pool)}: it does not declare BackendCapabilities.mla",
                 "choose an --attention-backend that declares it (e.g. attnhost_torch_native)",
             )
-        pool = self.token_to_kv_pool
         if type(pool) is not MLATokenToKVPool:
             raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
         if getattr(pool, "use_dsa", False):
@@ -132,6 +131,14 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
             out = backend.forward_mla_mqa(q, k, v, mla_layer, batch, save_kv_cache, q_rope, k_rope)
         return out if out.dim() == 2 else out.reshape(tokens, -1)
+
+
+def _model_name(model_config: Any, pool: Any) -> str:
+    """The model as an operator knows it: its path, architecture and latent shape."""
+    name = getattr(model_config, "model_path", None) or type(model_config).__name__
+    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ["an MLA model"]
+    rank, rope = getattr(pool, "kv_lora_rank", "?"), getattr(pool, "qk_rope_head_dim", "?")
+    return f"{name} ({architectures[0]}; multi-head latent attention, kv_lora_rank {rank}, qk_rope_head_dim {rope})"
 
 
 def handle_attention_attnhost(attn: Any, forward_batch: Any) -> Any:
