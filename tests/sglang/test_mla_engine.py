@@ -1,4 +1,4 @@
-"""MLA models in a real ``sglang.Engine`` on the CPU, attention by attnhost (issue 31): tiny random DeepSeek-V2
+"""MLA models in a real ``sglang.Engine`` on the CPU, attention by attnhost: tiny random DeepSeek-V2
 models made locally, greedy ids equal HF transformers' (eager), also on a second, prefix-cached pass.
 
 All runs go through one engine driver (the test kit's ``run_engine``), one engine after another, to keep the CI

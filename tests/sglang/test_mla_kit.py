@@ -18,6 +18,8 @@ cached prefix, and SGLang's own handlers untouched.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sglang.srt.plugins import load_plugins
@@ -132,3 +134,30 @@ def test_deepseek_dispatch_picks_the_form_the_backend_serves(name: str, expected
     fixture = build_mla_fixture(case)
     handler = AttentionBackendRegistry.get_handler("attnhost_torch_native")
     assert handler(fixture.actual_module, fixture.forward_batch) is expected, case.name
+
+
+def test_one_head_per_rank_tells_the_forms_apart_by_the_call() -> None:
+    """With one query head per rank and ``qk_nope == v == kv_lora_rank`` (the kit's model), both of SGLang's layer
+    objects have the same shape: the absorbed call (the kit's, ``k = None``) must still read the cache, and an MHA
+    call (``k``/``v`` given, ``save_kv_cache=False``, as DeepSeek's prefill makes it) must attend over its
+    arguments."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    [base] = [c for c in mla_cases("attnhost_torch_native") if c.name == "mla_extend_zero_prefix_exact_page"]
+    case = dataclasses.replace(base, name="one_head", num_heads=1)
+    run_mla_case(case, torch.float32, 16)  # the absorbed form, through the kit
+
+    fixture = build_mla_fixture(case, qk_rope_head_dim=16)
+    rank, rope, tokens = 32, 16, case.num_input_tokens
+    mha = RadixAttention(1, rank + rope, 0.3, num_kv_heads=1, layer_id=0, v_head_dim=rank)
+    generator = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(tokens, 1, rank + rope, generator=generator) for _ in range(2))
+    v = torch.randn(tokens, 1, rank, generator=generator)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=fixture.backend)):
+        fixture.backend.init_forward_metadata(fixture.forward_batch)
+        out = mha(q, k, v, fixture.forward_batch, save_kv_cache=False)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.3
+    ).transpose(0, 1)
+    torch.testing.assert_close(out.view(tokens, 1, rank), expected)
