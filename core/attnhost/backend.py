@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from attnhost.errors import BackendUnavailableError, describe_exception, safe_repr
+from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, describe_exception, safe_repr
 from attnhost.forward_mode import ForwardMode
 from attnhost.kv_cache import KVCache, _OnDevice
+from attnhost.mla import MLAConfig, MLAForm
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -38,7 +39,7 @@ class AttentionRunner(_OnDevice, Protocol):
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
     """What a backend declares it supports (fields: README's plugin guide), so engines refuse the rest before they
-    build or capture anything. What the contract itself lacks (sliding window, logit cap, ALiBi, sinks, MLA,
+    build or capture anything. What the contract itself lacks (sliding window, logit cap, ALiBi, sinks,
     cross-attention) is refused for every backend rather than declared here."""
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
@@ -52,9 +53,12 @@ class BackendCapabilities:
     only its own ancestors among the new tokens), giving zeros for a query that sees no key at all (an all-False
     row without a prefix). Without it engines run speculative chains only and refuse a tree run when they resolve
     their arguments, never on a batch."""
+    mla: bool = False
+    """Serves multi-head latent attention (DeepSeek, Kimi): ``forward_mla_mha`` and ``forward_mla_mqa`` over a
+    latent KV cache (docs/mla.md). Without it an MLA model is refused when its runner is built, never on a batch."""
 
     def __post_init__(self) -> None:
-        for flag in ("cuda_graph", "flat_heads", "tree_mask"):
+        for flag in ("cuda_graph", "flat_heads", "tree_mask", "mla"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BackendCapabilities.{flag} must be True or False, got {getattr(self, flag)!r}")
         dtypes, head_dims = self.dtypes, self.head_dims
@@ -65,12 +69,15 @@ class BackendCapabilities:
         object.__setattr__(self, "dtypes", tuple(dtypes))
         object.__setattr__(self, "head_dims", tuple(head_dims))
 
-    def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None) -> str | None:
-        """Why a model with these properties cannot run on this backend, or ``None`` if it can."""
+    def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None, mla: bool = False) -> str | None:
+        """Why a model with these properties cannot run on this backend, or ``None`` if it can (``head_dims``
+        constrains dense layers only: an MLA layer's dims are its latent's)."""
+        if mla and not self.mla:
+            return "MLA models (multi-head latent attention; it does not declare BackendCapabilities.mla)"
         for what, name in (("dtype", dtype), ("KV-cache dtype", kv_dtype)):
             if name is not None and name not in self.dtypes:
                 return f"{what} {name} (it supports {', '.join(self.dtypes)})"
-        if self.head_dims and head_dim not in self.head_dims:
+        if self.head_dims and head_dim not in self.head_dims and not mla:
             return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
         return None
 
@@ -84,24 +91,57 @@ def capabilities_of(factory: object) -> BackendCapabilities:
 @dataclass(frozen=True, slots=True)
 class AttentionLayer:
     """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields); ``scaling <= 0`` means
-    ``1/sqrt(head_dim)``, and consecutive groups of query heads share a KV head (GQA, MQA)."""
+    ``1/sqrt(head_dim)`` (an MLA layer's: ``mla.default_scaling``), and consecutive groups of query heads share a KV
+    head (GQA, MQA). ``head_dim`` is the QK head dim; ``v_head_dim`` (``<= 0``: ``head_dim``) differs from it only in
+    MLA layers, which carry their model's ``mla`` facts and the ``mla_form`` they are called in
+    (:meth:`for_mla` builds them)."""
 
     layer_id: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     scaling: float = -1.0
+    v_head_dim: int = -1
+    mla: MLAConfig | None = None
+    mla_form: MLAForm | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"layer {self.layer_id}: head counts and head_dim must be positive")
+        if self.v_head_dim <= 0:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if (self.mla is None) != (self.mla_form is None):
+            raise ValueError(
+                f"layer {self.layer_id}: an MLA layer needs both mla (an MLAConfig) and mla_form (an MLAForm), "
+                f"got mla={self.mla!r}, mla_form={self.mla_form!r}; build it with AttentionLayer.for_mla()"
+            )
+        if self.mla is not None and self.mla_form is not None:
+            got = (self.num_kv_heads, self.head_dim, self.v_head_dim)
+            problem = self.mla.shape_problem(self.layer_id, self.mla_form, got, self.num_heads)
+            if problem is not None:
+                raise ValueError(problem)
+        elif self.v_head_dim != self.head_dim:
+            raise ValueError(
+                f"layer {self.layer_id}: v_head_dim={self.v_head_dim} differs from head_dim={self.head_dim}, which "
+                "only MLA layers may do; give the layer its MLAConfig (AttentionLayer.for_mla())"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"layer {self.layer_id}: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
         if self.scaling <= 0:
-            object.__setattr__(self, "scaling", 1.0 / math.sqrt(self.head_dim))
+            default = self.mla.default_scaling if self.mla is not None else 1.0 / math.sqrt(self.head_dim)
+            object.__setattr__(self, "scaling", default)
+
+    @classmethod
+    def for_mla(
+        cls, mla: MLAConfig, form: MLAForm, layer_id: int, num_heads: int, scaling: float = -1.0
+    ) -> AttentionLayer:
+        """One model layer of an MLA model in one form (``scaling <= 0``: the model's default); a model builds
+        both forms of each layer with the same ``layer_id``."""
+        kv_heads, head_dim, v_head_dim = mla.shape(form, num_heads)
+        return cls(layer_id, num_heads, kv_heads, head_dim, scaling, v_head_dim=v_head_dim, mla=mla, mla_form=form)
 
 
 class AttentionBackend(abc.ABC):
@@ -131,14 +171,60 @@ class AttentionBackend(abc.ABC):
         """One new token per request: a case of extend, so ``forward_extend`` unless a decode kernel is faster."""
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+        """MLA's MHA form (docs/mla.md): ``q``/``k`` ``[T, heads, qk_head_dim]``, ``v`` ``[T, heads, v_head_dim]``,
+        causal over the arguments (no request has a cached prefix), the cache untouched (the caller writes the
+        latent); returns ``[T, heads, v_head_dim]``. Only backends that declare ``capabilities.mla`` implement it."""
+        raise UnsupportedFeatureError(_no_mla(self))
+
+    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
+                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
+                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+        """MLA's absorbed form, every forward mode (docs/mla.md): ``q`` ``[T, heads, kv_lora_rank + rope]`` (or its
+        first ``kv_lora_rank`` columns with ``q_rope`` the rest) over the cached latent rows of every request's
+        prefix and new tokens, causally (or by ``tree_mask``); ``k`` is the new latent rows ``[T, 1, kv_lora_rank +
+        rope]`` (or their first columns with ``k_rope`` the rest), written when ``save_kv_cache``; ``v`` is their
+        first ``kv_lora_rank`` columns, redundant; returns ``[T, heads, kv_lora_rank]``."""
+        raise UnsupportedFeatureError(_no_mla(self))
+
+    def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True, *, q_rope: Tensor | None = None,
+                k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Route by the layer's MLA form, then by mode: IDLE, DECODE, everything else (extend)."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:
-            return q.new_empty((0, layer.num_heads, layer.head_dim))
+            return q.new_empty((0, layer.num_heads, layer.v_head_dim))
+        if layer.mla_form is MLAForm.ABSORBED:
+            return self.forward_mla_mqa(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)
+        if layer.mla_form is MLAForm.MHA:
+            if save_kv_cache or q_rope is not None or k_rope is not None or k is None or v is None:
+                raise ValueError(_mha_form_misuse(layer))
+            return self.forward_mla_mha(q, k, v, layer, forward_batch)
+        if k is None or v is None or q_rope is not None or k_rope is not None:
+            raise ValueError(
+                f"layer {layer.layer_id} is a dense layer: it takes k and v and no q_rope/k_rope (those belong to "
+                "MLA layers in the absorbed form: build the layer with AttentionLayer.for_mla())"
+            )
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+
+def _no_mla(backend: AttentionBackend) -> str:
+    name = backend.prefill_attention_backend_str or type(backend).__qualname__
+    return (
+        f"attention backend {name!r} does not implement MLA (multi-head latent attention): it does not declare "
+        "BackendCapabilities.mla; serve the MLA model with a backend that declares it (e.g. torch_native)"
+    )
+
+
+def _mha_form_misuse(layer: AttentionLayer) -> str:
+    return (
+        f"layer {layer.layer_id} is an MLA layer in the MHA form: it takes k and v (decompressed, per head), no "
+        "q_rope/k_rope, and save_kv_cache=False, since the caller writes the latent row into the cache itself "
+        "(kv_pool.set_kv(layer_id, out_cache_loc, latent, latent[..., :kv_lora_rank]))"
+    )
 
 
 # The live backends factories have handed to runners, by id (a virtual subclass without weak references: forever).

@@ -34,3 +34,13 @@ class HybridAttnBackend(AttentionBackend):
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
         # The sub-backend's forward() picks its decode or extend method, so this serves both (forward_decode too).
         return self._by_mode[forward_batch.forward_mode].forward(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+        return self._by_mode[forward_batch.forward_mode].forward_mla_mha(q, k, v, layer, forward_batch)
+
+    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
+                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
+                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+        backend = self._by_mode[forward_batch.forward_mode]
+        return backend.forward_mla_mqa(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)

@@ -23,6 +23,8 @@ from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
+from attnhost.mla import MLAConfig, MLAForm
+from attnhost.mla_pool import MLAKVPool
 from attnhost.platform import current_platform
 from attnhost.server_args import ServerArgs
 
@@ -57,7 +59,12 @@ class ModelRunner:
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         platform: str | None = None,  # overrides detection, as --platform does
+        mla: MLAConfig | None = None,
     ) -> None:
+        """``mla``: the model uses multi-head latent attention (``num_kv_heads`` and ``head_dim`` are then
+        ignored): its cache is an :class:`~attnhost.mla_pool.MLAKVPool`, ``layers`` are the absorbed form and
+        ``mha_layers`` the MHA form of the same layers, and a backend that does not declare ``mla`` is refused
+        here."""
         if not isinstance(args, ServerArgs):
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
         sizes = (num_layers, num_heads, num_kv_heads, head_dim, max_requests, max_context_len)
@@ -77,17 +84,33 @@ class ModelRunner:
         self.platform = current_platform(platform)
         self.dtype = float_dtype("ModelRunner", dtype)
         self.device = torch.device(device)
-        self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
-        self.kv_pool = KVPool(
-            num_layers,
-            num_slots,
-            num_kv_heads,
-            head_dim,
-            max_requests=max_requests,
-            max_context_len=max_context_len,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.mla = mla
+        self.kv_pool: KVPool
+        if mla is None:
+            self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
+            self.mha_layers: tuple[AttentionLayer, ...] = ()
+            self.kv_pool = KVPool(
+                num_layers,
+                num_slots,
+                num_kv_heads,
+                head_dim,
+                max_requests=max_requests,
+                max_context_len=max_context_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        else:
+            self.layers = tuple(AttentionLayer.for_mla(mla, MLAForm.ABSORBED, i, num_heads) for i in range(num_layers))
+            self.mha_layers = tuple(AttentionLayer.for_mla(mla, MLAForm.MHA, i, num_heads) for i in range(num_layers))
+            self.kv_pool = MLAKVPool(
+                num_layers,
+                num_slots,
+                mla,
+                max_requests=max_requests,
+                max_context_len=max_context_len,
+                dtype=self.dtype,
+                device=self.device,
+            )
         self.resolution: resolution.TargetResolution | resolution.DraftResolution
         if is_draft:
             self.resolution = resolution.resolve_draft_attention_backend(args, self.platform)
@@ -138,6 +161,13 @@ class ModelRunner:
             raise BackendUnavailableError(f"{where} could not be loaded: {describe_exception(exc)}; {way_out}") from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
         self._capabilities[name] = capabilities_of(factory)
+        if self.mla is not None and not self._capabilities[name].mla:
+            m = self.mla
+            raise UnsupportedFeatureError(
+                f"{where} cannot serve this MLA model (multi-head latent attention, kv_lora_rank {m.kv_lora_rank}, "
+                f"qk_rope_head_dim {m.qk_rope_head_dim}): it does not declare BackendCapabilities.mla; choose a "
+                "backend that declares it (e.g. torch_native)"
+            )
         backend = build_backend(factory, self, where=where, way_out=way_out, owner=owner)
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name
         return backend

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
+from attnhost_builtin import torch_native_mla
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -228,11 +229,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
 
     # Every path views q itself anyway, so SGLang's [T, heads * dim] layout costs nothing extra.
-    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True)
+    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True, mla=True)
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
         self._plan: _BatchPlan | None = None
+        self._mha_checked: ForwardBatch | None = None  # the last batch the MLA MHA form accepted
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Resolve every request's key slots once, so layers only slice and call SDPA."""
@@ -297,6 +299,22 @@ class TorchNativeAttnBackend(AttentionBackend):
             ]
         )
         return out.view(-1, layer.num_heads * layer.head_dim) if flat else out
+
+    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
+                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+        """MLA's MHA form (torch_native_mla.py); its batch is checked on the first layer only."""
+        plan = self._plan_for(forward_batch)
+        if self._mha_checked is not forward_batch:
+            torch_native_mla.check_mha_batch(forward_batch)
+            self._mha_checked = forward_batch
+        return torch_native_mla.forward_mha(plan, q, k, v, layer)
+
+    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
+                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
+                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+        """MLA's absorbed form, every forward mode (torch_native_mla.py)."""
+        plan = self._plan_for(forward_batch)
+        return torch_native_mla.forward_mqa(plan, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope)
 
     def _plan_for(self, forward_batch: ForwardBatch) -> _BatchPlan:
         plan = self._plan

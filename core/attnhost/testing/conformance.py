@@ -34,7 +34,8 @@ The speculative batches (verify as a chain and as a tree, draft-extend, draft
 decode over branch rows that share their request's prefix slots) run in every
 float dtype the backend declares; the tree cases, among them a query that sees
 no key and must get zeros, only for a backend that declares
-``capabilities.tree_mask``.
+``capabilities.tree_mask``. The MLA cases (:mod:`attnhost.testing.mla_conformance`)
+run for a backend that declares ``capabilities.mla``.
 
 A factory whose import or build is still running after
 ``attnhost.discovery.SLOW_IMPORT_WARNING_S`` (the threshold of ``attnhost
@@ -73,6 +74,7 @@ from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
+from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import reference_attention, tree_mask
 from attnhost.testing.watch import watch_slow
 
@@ -149,7 +151,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance:
+class BackendConformance(MLAConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     backend_name: ClassVar[str | None] = None

@@ -20,8 +20,10 @@ slot table (:func:`slot_table`), since SGLang's own backends take the new
 tokens' K/V from the write slots, not from ``req_to_token``; the draft's
 multi-step decode steps are planned by ``multistep``.
 
-What the attnhost contract cannot express — MLA, sliding windows, logit
-caps, cross-attention, a V head dim unlike the QK one, a tree for a backend
+An MLA model's runner gets the subclass in ``mla`` instead (the bridge
+picks it), and this class refuses one. What the attnhost contract cannot
+express — sliding windows, logit caps, cross-attention, a V head dim
+unlike the QK one outside MLA, a tree for a backend
 without ``tree_mask``, CUDA-graph capture for a backend that does not
 declare it — is refused with one error naming the backend and the feature,
 at construction or on the first layer or batch that needs it. Never a

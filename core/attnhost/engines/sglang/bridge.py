@@ -93,6 +93,7 @@ def install() -> None:
                 if backend.draft:
                     _append(choices.DRAFT_ATTENTION_BACKEND_CHOICES, name)
         _plan = plan
+        _register_mla_dispatch(plan)
         if plan.backends:
             names = ", ".join(
                 f"{b.engine_name}{' (draft)' if b.draft else ''}"
@@ -112,6 +113,23 @@ def _append(names: list[str], name: str) -> None:
         names.append(name)
 
 
+def _register_mla_dispatch(plan: ExportPlan) -> None:
+    """DeepSeek's per-batch choice between MLA's two forms, for the exported names whose backend declares ``mla``
+    (an unregistered name would silently get SGLang's ``triton`` rule)."""
+    names = [name for backend in plan.backends if _declares_mla(backend) for name in backend.engine_names]
+    if names:
+        from attnhost.engines.sglang.mla import register_deepseek_dispatch
+
+        register_deepseek_dispatch(names)
+
+
+def _declares_mla(backend: ExportedBackend) -> bool:
+    try:
+        return capabilities_of(backend.entry.spec.load()).mla
+    except Exception:  # unloadable: its runner says why, and no MLA model can run on it
+        return False
+
+
 def _log_once(level: int, message: str) -> None:
     if message not in _logged:
         _logged.add(message)
@@ -125,10 +143,12 @@ def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
 
     def create_attnhost_backend(model_runner: Any) -> Any:
         from attnhost.engines.sglang.adapter import SGLangAdapterBackend
+        from attnhost.engines.sglang.mla import SGLangMLAAdapterBackend
 
         default_host().freeze(by="building an SGLang model runner")
         factory = _load(backend, origin)
-        return SGLangAdapterBackend(
+        adapter = SGLangMLAAdapterBackend if getattr(model_runner, "use_mla_backend", False) else SGLangAdapterBackend
+        return adapter(
             model_runner,
             engine_name=backend.engine_name,
             attnhost_name=backend.name,

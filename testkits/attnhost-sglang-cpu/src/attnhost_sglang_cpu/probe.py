@@ -24,7 +24,10 @@ changes no argument and no result:
   children, and the draft-extend backend.
 
 More backend classes can be named in ``ATTNHOST_TEST_PROBE_TARGETS``
-(comma-separated ``module:Class``). Records are JSON lines appended to the
+(comma-separated ``module:Class``): an attnhost backend class named there also
+gets its MLA methods (``forward_mla_mha``, ``forward_mla_mqa``) hooked when it
+has them, so a record says which MLA form of *that* backend's code ran, in
+which forward mode and for which runner. Records are JSON lines appended to the
 file, so a test in another process can read them while the engine is up.
 """
 
@@ -51,6 +54,8 @@ FORWARD_TARGETS = (
 )
 #: Containers planned once per draft round (``init_forward_metadata``) that hold one backend per draft step.
 CONTAINER_TARGETS = (("sglang.srt.layers.attention.triton_backend", "TritonMultiStepDraftBackend"),)
+#: The attnhost contract's MLA methods, hooked on the backend classes named in ``ATTNHOST_TEST_PROBE_TARGETS``.
+MLA_METHODS = ("forward_mla_mha", "forward_mla_mqa")
 BASE = ("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend")
 RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DRAFT_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
@@ -202,8 +207,21 @@ def register() -> None:
         for method in ("forward_extend", "forward_decode"):
             HookRegistry.register(f"{module}.{cls}.{method}", _forward_hook(method), HookType.AFTER)
         HookRegistry.register(f"{module}.{cls}.init_forward_metadata", _after_init_forward_metadata, HookType.AFTER)
+    for module, cls in _targets(()):
+        for method in MLA_METHODS:
+            if _has(module, cls, method):
+                HookRegistry.register(f"{module}.{cls}.{method}", _forward_hook(method), HookType.AFTER)
     for module, cls in _targets(CONTAINER_TARGETS):
         HookRegistry.register(f"{module}.{cls}.init_forward_metadata", _after_init_forward_metadata, HookType.AFTER)
+
+
+def _has(module: str, cls: str, method: str) -> bool:
+    import pkgutil
+
+    try:
+        return callable(getattr(pkgutil.resolve_name(f"{module}:{cls}"), method, None))
+    except Exception:  # not importable here: nothing to hook
+        return False
 
 
 def _installed(module: str) -> bool:

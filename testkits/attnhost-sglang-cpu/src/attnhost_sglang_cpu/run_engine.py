@@ -3,7 +3,8 @@
 ``python -m attnhost_sglang_cpu.run_engine JOB_JSON`` where the job is
 ``{"model": DIR, "prompts": [[ids]], "new_tokens": N, "runs": [RUN, ...]}`` and
 each run is ``{"name": ID, "backend": NAME, "probe": FILE, "engine_args": {...},
-"env": {...}}`` (``name`` defaults to the backend; ``engine_args`` are further
+"env": {...}, "model": DIR, "prompts": [[ids]], "passes": N}`` (``name`` defaults to the backend; ``model`` and
+``prompts`` to the job's; ``passes`` generations in one engine, 1 by default; ``engine_args`` are further
 ``sglang.Engine`` keyword arguments, such as the speculative ones of
 :func:`speculative_args`; ``env`` is set for that run only). It prints one
 JSON line per run: ``{"name", "backend", "output_ids", "meta_info",
@@ -42,7 +43,14 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "random_seed": 0,
     "log_level": "error",
 }
-META_KEYS = ("spec_verify_ct", "spec_accept_length", "spec_accept_rate", "spec_num_correct_drafts", "completion_tokens")
+META_KEYS = (
+    "spec_verify_ct",
+    "spec_accept_length",
+    "spec_accept_rate",
+    "spec_num_correct_drafts",
+    "completion_tokens",
+    "cached_tokens",
+)
 
 
 def speculative_args(
@@ -68,24 +76,36 @@ def speculative_args(
     return args
 
 
-def run_one(model: str, prompts: list[list[int]], new_tokens: int, backend: str, **engine_args: Any) -> dict[str, Any]:
+def run_one(
+    model: str, prompts: list[list[int]], new_tokens: int, backend: str, passes: int = 1, **engine_args: Any
+) -> dict[str, Any]:
+    """One engine, *passes* generations of the same prompts (a later pass finds their prefixes in the radix
+    cache); ``output_ids`` / ``meta_info`` are the first pass's, ``later_passes`` the others'."""
     import psutil
     import sglang as sgl
 
     start = time.monotonic()
     engine = sgl.Engine(model_path=model, attention_backend=backend, **{**ENGINE_DEFAULTS, **engine_args})
+    results = []
     try:
-        outs = engine.generate(
-            input_ids=prompts,
-            sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
-        )
+        for _ in range(passes):
+            outs = engine.generate(
+                input_ids=prompts,
+                sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+            )
+            results.append(
+                {
+                    "output_ids": [out["output_ids"] for out in outs],
+                    "meta_info": [{k: out["meta_info"][k] for k in META_KEYS if k in out["meta_info"]} for out in outs],
+                }
+            )
     finally:
         engine.shutdown()
     seconds = time.monotonic() - start
     left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
     return {
-        "output_ids": [out["output_ids"] for out in outs],
-        "meta_info": [{k: out["meta_info"][k] for k in META_KEYS if k in out["meta_info"]} for out in outs],
+        **results[0],
+        "later_passes": results[1:],
         "seconds": round(seconds, 2),
         "children_left": [" ".join(p.cmdline())[:120] for p in left],
     }
@@ -102,7 +122,12 @@ def main(argv: list[str]) -> int:
         result: dict[str, Any] = {"name": run.get("name", run["backend"]), "backend": run["backend"]}
         try:
             result |= run_one(
-                job["model"], job["prompts"], job["new_tokens"], run["backend"], **run.get("engine_args", {})
+                run.get("model", job["model"]),
+                run.get("prompts", job["prompts"]),
+                job["new_tokens"],
+                run["backend"],
+                run.get("passes", 1),
+                **run.get("engine_args", {}),
             )
         except Exception:
             result["error"] = traceback.format_exc(limit=8)

@@ -14,6 +14,9 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   for every verify input SGLang has (EAGLE, frozen-KV MTP, DFLASH, NGRAM;
   chains, and trees where the backend declares tree masks), with DFLASH's host
   lengths as a planning bound;
+* SGLang's own MLA attention kit, every case, with and without a rotary part,
+  in each declared dtype, for a backend that declares ``mla`` (the others
+  skip with the reason);
 * a real ``sglang.Engine`` on a tiny locally made Llama, ``NAME`` as the
   attention backend, whose greedy ids must equal HF transformers';
 * a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
@@ -49,6 +52,7 @@ from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  #
 from attnhost_sglang_cpu import tiny_model as tm  # noqa: E402
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases, run_case  # noqa: E402
 from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, read_probe, run_engines, speculative_summary  # noqa: E402
+from attnhost_sglang_cpu.mla_kit import ROPE_DIMS, mla_cases, run_mla_case  # noqa: E402
 from attnhost_sglang_cpu.run_engine import speculative_args  # noqa: E402
 from attnhost_sglang_cpu.spec_verify import (  # noqa: E402
     SPEC_VERIFY_KINDS,
@@ -64,6 +68,7 @@ BRIDGE = "attnhost.engines.sglang.bridge"
 #: SGLang wants one CPU set per rank when the ranks outnumber NUMA nodes.
 RANK_CPUS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 N_DENSE = len(dense_cases("any"))
+N_MLA = len(mla_cases("any"))
 
 
 def _entry(name: str) -> Any:
@@ -169,6 +174,20 @@ class TestSGLangEngine:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
         case = spec_verify_case(sglang_name(attnhost_backend_name), (3, 30, 12), (4, 2), topk)
         run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound)
+
+    @pytest.mark.parametrize("rope", ROPE_DIMS, ids=[f"rope{r}" for r in ROPE_DIMS])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+    @pytest.mark.parametrize("case_index", range(N_MLA))
+    def test_sglang_mla_kit(self, attnhost_backend_name: str, dtype: torch.dtype, case_index: int, rope: int) -> None:
+        capabilities = _capabilities(attnhost_backend_name)
+        if not getattr(capabilities, "mla", False):  # an attnhost without MLA in its contract: none declares it
+            pytest.skip(f"backend {attnhost_backend_name!r} does not declare MLA (capabilities.mla)")
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in capabilities.dtypes:
+            pytest.skip(
+                f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
+            )
+        run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope)
 
     def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
         backend = sglang_name(attnhost_backend_name)

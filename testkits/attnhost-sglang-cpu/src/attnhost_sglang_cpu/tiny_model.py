@@ -145,6 +145,79 @@ def build_eagle_head(out: Path, target: Path, seed: int = DRAFT_SEED) -> None:
     config.save_pretrained(out)
 
 
+#: The tiny DeepSeek-V2's shape (multi-head latent attention, no MoE): every layer a dense MLP. HF's DeepSeek-V2
+#: forward wants as many KV heads as query heads; ``moe_layer_freq`` is read by SGLang's ``deepseek_v2.py`` although
+#: transformers 5 no longer writes it; ``rope_type: "yarn"`` with factor 1 is plain RoPE, and the only rope SGLang's
+#: CPU path takes for this model (``deepseek_yarn``).
+DEEPSEEK_SHAPE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 4,  # no layer is a MoE one (first_k_dense_replace), but the config needs the numbers
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "initializer_range": 0.2,  # at the default 0.02 a latent-256 model's greedy ids barely depend on attention
+}
+#: The two latent shapes the engine tests run: (kv_lora_rank, qk_rope_head_dim).
+LATENT_SHAPES = ((32, 16), (256, 32))
+
+
+def build_deepseek_model(
+    out: Path, *, kv_lora_rank: int, qk_rope_head_dim: int, seed: int = SEED, tokenizer_from: Path | None = None
+) -> None:
+    """Write a seeded random DeepseekV2ForCausalLM (float32, MLA with the given latent shape) and its tokenizer to
+    *out* (the tokenizer copied from *tokenizer_from* when given, so a Llama draft built beside it shares it)."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None:
+        build_tokenizer(out, seed)
+    else:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).exists():
+                shutil.copy2(tokenizer_from / name, out / name)
+    tok = AutoTokenizer.from_pretrained(out)
+    config = DeepseekV2Config(
+        **DEEPSEEK_SHAPE,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        head_dim=qk_rope_head_dim,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 1.0,
+            "original_max_position_embeddings": DEEPSEEK_SHAPE["max_position_embeddings"],
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        },
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    written.setdefault("moe_layer_freq", DEEPSEEK_SHAPE["moe_layer_freq"])
+    (out / "config.json").write_text(json.dumps(written, indent=2))
+
+
 def prompt_ids(model_dir: Path) -> list[list[int]]:
     """The prompts as token ids, with the BOS id first."""
     from transformers import AutoTokenizer
@@ -156,9 +229,12 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
 def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (float32, batched, left-padded, EOS not special)."""
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if AutoConfig.from_pretrained(model_dir).model_type == "llama":
+        model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:  # HF's eager attention: the plainest reference for an MLA model
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     width = max(map(len, prompts))
     pad = 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

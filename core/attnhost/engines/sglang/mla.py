@@ -1,0 +1,174 @@
+"""attnhost backends serving SGLang's MLA models (DeepSeek V2/V3/R1, Kimi K2): the adapter over
+``MLATokenToKVPool`` and DeepSeek's attention-method dispatch for attnhost names (docs/mla.md).
+
+SGLang calls an MLA model's attention through two ``RadixAttention`` objects per layer, both with the layer's
+id: ``attn_mha`` (``num_kv_heads == num_heads``, QK head dim ``qk_nope + qk_rope``, V head dim the model's
+``v_head_dim``) for a prefill without a cached prefix, the model having written the latent rows itself; and
+``attn_mqa`` (one KV head, QK head dim ``kv_lora_rank + qk_rope``, V head dim ``kv_lora_rank``) for everything
+else. :class:`SGLangMLAAdapterBackend` recognises which of the two a layer object is, once, and calls the
+attnhost backend's ``forward_mla_mha`` or ``forward_mla_mqa``; the latent cache it hands over is SGLang's own
+buffer (``k_buffer`` the rows, ``v_buffer`` their first ``kv_lora_rank`` columns), never a copy.
+
+Which of the two SGLang calls is DeepSeek's decision (``dispatch_attn_forward_method``), made per batch by a
+handler registered under the backend's name in ``AttentionBackendRegistry``; an unregistered name silently gets
+``triton``'s. :func:`register_deepseek_dispatch` registers :func:`handle_attention_attnhost` for every exported
+attnhost name whose backend declares ``mla``, and never replaces a handler SGLang registered itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+from attnhost.backend import AttentionLayer
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend, dtype_name
+from attnhost.mla import MLAConfig, MLAForm
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
+    from torch import Tensor
+
+__all__ = ["SGLangMLAAdapterBackend", "handle_attention_attnhost", "register_deepseek_dispatch"]
+
+_ROPE_ARGS = frozenset(("q_rope", "k_rope"))
+
+
+class SGLangMLAAdapterBackend(SGLangAdapterBackend):
+    """The adapter for a model runner with ``use_mla_backend``: both MLA forms over SGLang's latent pool."""
+
+    mla: MLAConfig
+
+    def _check_runner(self, runner: Any) -> None:
+        """Refuse, before any batch, a backend that does not declare ``mla`` and a latent pool it cannot read."""
+        model_config = getattr(runner, "model_config", None)
+        pool = self.token_to_kv_pool
+        if not self.capabilities.mla:
+            raise self.refusal(
+                f"the MLA model {_model_name(model_config, pool)}: it does not declare BackendCapabilities.mla",
+                "choose an --attention-backend that declares it (e.g. attnhost_torch_native)",
+            )
+        if type(pool) is not MLATokenToKVPool:
+            raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
+        if getattr(pool, "use_dsa", False):
+            raise self.refusal("DeepSeek sparse attention (an MLA pool with use_dsa)")
+        if pool.store_dtype != pool.dtype:
+            raise self.refusal(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
+        if pool.kv_cache_dim != pool.kv_lora_rank + pool.qk_rope_head_dim:
+            raise self.refusal(f"a latent row of width {pool.kv_cache_dim} unlike kv_lora_rank + qk_rope_head_dim")
+        rank, rope = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
+        self.mla = MLAConfig(
+            kv_lora_rank=rank,
+            qk_rope_head_dim=rope,
+            qk_nope_head_dim=int(getattr(model_config, "qk_nope_head_dim", None) or rank),
+            v_head_dim=int(getattr(model_config, "v_head_dim", None) or rank),
+        )
+        model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
+        reason = self.capabilities.refusal(
+            dtype=model_dtype, head_dim=self.mla.latent_dim, kv_dtype=dtype_name(pool.dtype), mla=True
+        )
+        if reason is not None:
+            raise self.refusal(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+        self._mla_layers: dict[RadixAttention, AttentionLayer] = {}
+
+    def _mla_layer(self, layer: RadixAttention, k: Tensor | None, save_kv_cache: bool) -> AttentionLayer:
+        """The attnhost view of one of SGLang's two layer objects of an MLA layer, decided on its first call."""
+        lid = layer.layer_id
+        if (
+            getattr(layer, "is_cross_attention", False)
+            or getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER"
+        ):
+            raise self.refusal(f"non-causal or cross-attention (layer {lid})")
+        if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
+            raise self.refusal(f"sliding-window attention (layer {lid})")
+        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
+            raise self.refusal(f"logit capping (layer {lid}, logit_cap={layer.logit_cap})")
+        if getattr(layer, "k_scale_float", None) not in (None, 1.0):
+            raise self.refusal(f"scaled (quantized) K/V (layer {lid})")
+        heads = layer.tp_q_head_num
+        got = (layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim)
+        fits = [form for form in (MLAForm.ABSORBED, MLAForm.MHA) if self.mla.shape(form, heads) == got]
+        if len(fits) == 2:  # one head per rank and nope == v == rank: the shapes agree, the call does not
+            fits = [MLAForm.MHA if k is not None and not save_kv_cache else MLAForm.ABSORBED]
+        if not fits:
+            absorbed, mha = (self.mla.shape(form, heads) for form in (MLAForm.ABSORBED, MLAForm.MHA))
+            raise self.refusal(
+                f"MLA layer {lid} with (num_kv_heads, qk_head_dim, v_head_dim) = {got}: it is neither the absorbed "
+                f"form {absorbed} nor the MHA form {mha} of this model's latent ({self.mla})",
+                "report this to attnhost's maintainers",
+            )
+        converted = AttentionLayer.for_mla(self.mla, fits[0], lid, heads, float(layer.scaling))
+        self._mla_layers[layer] = converted
+        self._kv._layers[lid] = layer  # either object names the layer to the pool's set_kv_buffer
+        return converted
+
+    def _run(self, method: str, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
+             forward_batch: SGLangBatch, save_kv_cache: bool, kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
+        batch = self._batch
+        if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
+            raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
+        if kwargs and any(value is not None for name, value in kwargs.items() if name not in _ROPE_ARGS):
+            extra = ", ".join(sorted(n for n, value in kwargs.items() if value is not None and n not in _ROPE_ARGS))
+            raise self.refusal(f"the extra attention arguments {extra} (layer {layer.layer_id})")
+        mla_layer = self._mla_layers.get(layer) or self._mla_layer(layer, k, save_kv_cache)
+        tokens = q.shape[0]
+        if tokens != batch.num_new_tokens:
+            raise self.refusal(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
+        if q.dim() != 3 and not self.capabilities.flat_heads:
+            q = q.view(tokens, mla_layer.num_heads, -1)
+        backend = self.attnhost_backend
+        if mla_layer.mla_form is MLAForm.MHA:
+            if save_kv_cache or k is None or v is None:
+                raise RuntimeError(
+                    f"{self._where}: SGLang called MLA layer {layer.layer_id}'s MHA form with "
+                    f"save_kv_cache={save_kv_cache} and k/v {'missing' if k is None or v is None else 'given'}; "
+                    "the MHA form takes decompressed k/v and leaves the latent cache to the model"
+                )
+            out: Tensor = backend.forward_mla_mha(q, k, v, mla_layer, batch)
+        else:
+            q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+            out = backend.forward_mla_mqa(q, k, v, mla_layer, batch, save_kv_cache, q_rope, k_rope)
+        return out if out.dim() == 2 else out.reshape(tokens, -1)
+
+
+def _model_name(model_config: Any, pool: Any) -> str:
+    """The model as an operator knows it: its path, architecture and latent shape."""
+    name = getattr(model_config, "model_path", None) or type(model_config).__name__
+    architectures = getattr(getattr(model_config, "hf_config", None), "architectures", None) or ["an MLA model"]
+    rank, rope = getattr(pool, "kv_lora_rank", "?"), getattr(pool, "qk_rope_head_dim", "?")
+    return f"{name} ({architectures[0]}; multi-head latent attention, kv_lora_rank {rank}, qk_rope_head_dim {rope})"
+
+
+def handle_attention_attnhost(attn: Any, forward_batch: Any) -> Any:
+    """DeepSeek's attention method for an attnhost backend: the MHA form for a prefill no request of which has a
+    cached prefix (what ``forward_mla_mha`` serves), the absorbed form for everything else, and the absorbed form
+    inside a captured prefill graph (one path, as SGLang's own handlers do)."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        _get_sum_extend_prefix_lens,
+        is_in_breakable_cuda_graph,
+        is_in_tc_piecewise_cuda_graph,
+    )
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    if is_in_tc_piecewise_cuda_graph() or is_in_breakable_cuda_graph():
+        return AttnForwardMethod.MLA
+    if forward_batch.forward_mode.is_extend_without_speculative() and _get_sum_extend_prefix_lens(forward_batch) == 0:
+        return AttnForwardMethod.MHA
+    return AttnForwardMethod.MLA
+
+
+def register_deepseek_dispatch(mla_names: Iterable[str]) -> list[str]:
+    """Register :func:`handle_attention_attnhost` in DeepSeek's ``AttentionBackendRegistry`` under each of
+    *mla_names* (exported attnhost names whose backends declare ``mla``); a name SGLang registered a handler for
+    keeps SGLang's. Returns the names now served by attnhost's handler."""
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry
+
+    handlers = AttentionBackendRegistry._handlers
+    served = []
+    for name in mla_names:
+        if handlers.get(name, handle_attention_attnhost) is handle_attention_attnhost:
+            AttentionBackendRegistry.register(name, handle_attention_attnhost)
+            served.append(name)
+    return served
