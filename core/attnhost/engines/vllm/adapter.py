@@ -114,14 +114,18 @@ class _Identity:
     def refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
         return UnsupportedFeatureError(f"{self.where} does not support {feature}; {way_out}")
 
+    def sibling_way_out(self, mla: bool) -> str | None:
+        """Where a model of the other kind goes (its MLA or its dense name), if this backend serves both."""
+        if self.sibling is None:
+            return None
+        return f"select its {'MLA' if mla else 'dense'} backend, --attention-backend {self.sibling.lower()}"
+
     def explain(self, reason: str) -> str:
-        """One of vLLM's selection reasons, with the way out where attnhost knows it (the MLA or dense sibling)."""
+        """One of vLLM's selection reasons, with the way out where attnhost knows it."""
         if reason == "MLA not supported":
-            if self.sibling is not None:
-                return f"{reason} under this name; select its MLA backend, --attention-backend {self.sibling.lower()}"
-            return f"{reason} (it does not declare BackendCapabilities.mla)"
+            return f"{reason}: {self.sibling_way_out(True) or 'it does not declare BackendCapabilities.mla'}"
         if reason == "non-MLA not supported" and self.sibling is not None:
-            return f"{reason} under this name; select its dense backend, --attention-backend {self.sibling.lower()}"
+            return f"{reason}: {self.sibling_way_out(False)}"
         return reason
 
 
@@ -450,7 +454,10 @@ def _check_spec(identity: _Identity, spec: Any) -> None:
     """Refuse, at builder construction, a KV-cache group the attnhost contract cannot serve."""
     refuse = identity.refuse
     if isinstance(spec, MLAAttentionSpec):
-        raise refuse("MLA (multi-head latent attention) under this name", identity.explain("MLA not supported"))
+        way_out = identity.sibling_way_out(True)
+        if way_out is not None:
+            raise refuse("MLA (multi-head latent attention) under its dense name", way_out)
+        raise refuse("MLA (multi-head latent attention): it does not declare BackendCapabilities.mla")
     for kind, feature in (
         (SlidingWindowSpec, "sliding-window attention"),
         (ChunkedLocalAttentionSpec, "chunked local attention"),

@@ -274,7 +274,7 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
             raise refuse(f"a quantized MLA cache (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
         if indexer is not None:
             raise refuse("DeepSeek sparse attention (an MLA layer with a top-k indexer)")
-        extra = sorted(name for name, value in extra_impl_args.items() if value not in (None, False))
+        extra = sorted(name for name, value in extra_impl_args.items() if value is not None and value is not False)
         if extra:
             raise refuse(f"the extra MLA arguments {', '.join(extra)}")
         if num_kv_heads != 1 or head_size != kv_lora_rank + qk_rope_head_dim:
@@ -441,7 +441,10 @@ def _check_mla_spec(identity: _Identity, spec: Any) -> None:
     if isinstance(spec, SlidingWindowSpec):
         raise refuse("sliding-window MLA")
     if not isinstance(spec, MLAAttentionSpec):
-        raise refuse(f"vLLM's {type(spec).__name__} KV-cache groups", identity.explain("non-MLA not supported"))
+        raise refuse(
+            f"vLLM's {type(spec).__name__} KV-cache groups (dense attention) under its MLA name",
+            identity.sibling_way_out(False) or "choose another --attention-backend",
+        )
     if spec.num_kv_heads != 1:
         raise refuse(f"an MLA cache with {spec.num_kv_heads} KV heads (vLLM's latent cache has one)")
     if spec.kv_quant_mode != KVQuantMode.NONE or is_quantized_kv_cache(spec.cache_dtype_str or "auto"):
