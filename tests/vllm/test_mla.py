@@ -361,7 +361,7 @@ def plan_with(vllm_names: set[str], override: bool = False) -> tuple[list[Any], 
     plan = plan_exports("vLLM", lambda name: False, override_env=VLLM_OVERRIDE_ENV, to_engine_name=vllm_name)
     if override:
         plan = dataclasses.replace(plan, backends=tuple(dataclasses.replace(b, overrides=True) for b in plan.backends))
-    return plan_mla_exports(plan, lambda b: b.name == "torch_native", lambda name: name in vllm_names, ())
+    return plan_mla_exports(plan, lambda b: b.name == "torch_native", lambda name: name in vllm_names, (), vllm_name)
 
 
 def test_an_mla_name_vllm_has_keeps_vllms_backend_unless_overridden() -> None:

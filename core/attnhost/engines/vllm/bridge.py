@@ -95,7 +95,7 @@ def install() -> ExportPlan:
 
 def _install_mla_names(plan: ExportPlan, members: Any, register_backend: Any) -> list[str]:
     """Register the MLA name of every exported backend that declares ``mla``; the names added."""
-    mla, warnings = plan_mla_exports(plan, _declares_mla, lambda name: name in members, _ours)
+    mla, warnings = plan_mla_exports(plan, _declares_mla, lambda name: name in members, _ours, vllm_name)
     for warning in warnings:
         _log_once(logging.WARNING, warning)
     added = []

@@ -25,7 +25,6 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from attnhost.engines.export import CLASH_PREFIX, ExportedBackend, ExportPlan
-from attnhost.engines.vllm.names import vllm_name
 
 __all__ = ["MLA_SUFFIX", "MLAExport", "plan_mla_exports"]
 
@@ -50,12 +49,14 @@ def plan_mla_exports(
     declares_mla: Callable[[ExportedBackend], bool],
     engine_has: Callable[[str], bool],
     taken: Collection[str],
+    to_engine_name: Callable[[str], str],
 ) -> tuple[list[MLAExport], list[str]]:
     """The MLA names for ``plan``'s backends that ``declares_mla``, and one warning per decision to report.
 
     ``engine_has(name)``: vLLM implements ``name`` itself; ``taken``: names
     attnhost registered in this process (dense ones included), which a
-    second call keeps as they are.
+    second call keeps as they are; ``to_engine_name``: how the plan spelled
+    attnhost names (``names.vllm_name``).
     """
     exports: list[MLAExport] = []
     warnings: list[str] = []
@@ -72,7 +73,7 @@ def plan_mla_exports(
                     f"{name!r} for MLA models, as ATTNHOST_VLLM_OVERRIDE asks"
                 )
             else:
-                renamed = vllm_name(CLASH_PREFIX + backend.name) + MLA_SUFFIX
+                renamed = to_engine_name(CLASH_PREFIX + backend.name) + MLA_SUFFIX
                 warnings.append(
                     f"attnhost backend {backend.name!r} (plugin {backend.entry.plugin!r}) serves MLA models in vLLM "
                     f"as {renamed!r}: vLLM implements {name!r} itself and keeps it; set ATTNHOST_VLLM_OVERRIDE="
