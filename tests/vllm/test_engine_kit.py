@@ -20,12 +20,16 @@ from pathlib import Path
 
 import pytest
 from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES
+from attnhost_vllm_cpu.suite import MLA_CASES as KIT_MLA_CASES
 from distgen import make_dist
 
 KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
-#: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6)
-ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6
+#: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6); the MLA cases, skipped
+#: for a backend that does not declare mla
+MLA_CASES = len(KIT_MLA_CASES)
+ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES
+MLA_BACKENDS = {"torch_native"}
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''
@@ -44,6 +48,21 @@ class WrongAttnBackend(TorchNativeAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache) * 1.5
+'''
+
+WRONG_LATENT = '''
+"""A plugin whose MLA absorbed form is wrong by half: what the kit's MLA cases must catch."""
+from attnhost import BackendCapabilities
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+
+class WrongLatentBackend(TorchNativeAttnBackend):
+    """MLA's absorbed form scaled by 1.5 (float32 only); everything else is torch_native's."""
+
+    capabilities = BackendCapabilities(dtypes=("float32",), mla=True)
+
+    def forward_mla_mqa(self, *args, **kwargs):
+        return super().forward_mla_mqa(*args, **kwargs) * 1.5
 '''
 
 
@@ -104,7 +123,9 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
 def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: Path) -> None:
     status, output = one_command([name], tmp_path)
     assert status == 0, output[-4000:]
-    assert counts(output) == {"passed": ALL_DTYPES}, output[-2000:]
+    expected = {"passed": ALL_DTYPES} if name in MLA_BACKENDS else {"passed": ALL_DTYPES - MLA_CASES,
+                                                                   "skipped": MLA_CASES}  # fmt: skip
+    assert counts(output) == expected, output[-2000:]
 
 
 def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path: Path) -> None:
@@ -123,6 +144,24 @@ def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path:
     assert re.search(r"max abs error \d\.\de[+-]\d\d exceeds 2e-05", failed[0]), failed[0]
     skipped = [line for line in output.splitlines() if line.startswith("SKIPPED")]
     assert all("backend 'wrong' does not declare" in line for line in skipped) and len(skipped) == 2, skipped
+
+
+def test_wrong_mla_numerics_fail_naming_the_backend_its_mla_name_and_the_case(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    make_dist(site, "wrong-latent", "1.0",
+              {"sglang.draft_attention_backends": {"wrong_latent": "wrong_latent:WrongLatentBackend"}},
+              modules={"wrong_latent": WRONG_LATENT})  # fmt: skip
+    status, output = one_command(["wrong_latent"], tmp_path, "-k", "test_mla and -block16-", path_entries=(site,))
+    assert status == 1, output[-4000:]
+    # prefill takes the MHA form (torch_native's, right); the other four batches reach the absorbed form
+    assert counts(output) == {"failed": 4, "passed": 1, "skipped": 10, "deselected": ALL_DTYPES - 15}, output[-2000:]
+    failed = [line for line in output.splitlines() if line.startswith("FAILED")]
+    decode = next(line for line in failed if "test_mla[wrong_latent-decode-block16-float32]" in line)
+    assert (
+        "vLLM MLA forward of attnhost backend 'wrong_latent' (vLLM WRONG_LATENT) as WRONG_LATENT_MLA, decode batch "
+        "[(5, 1), (17, 1), (1, 1), (40, 1)], block size 16, float32, latent 32 + rope 16: max abs error"
+    ) in decode, decode
+    assert re.search(r"max abs error \d\.\de[+-]\d\d exceeds 2e-05", decode), decode
 
 
 def test_an_unknown_name_fails_once_with_the_registrys_message(tmp_path: Path) -> None:

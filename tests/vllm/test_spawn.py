@@ -42,7 +42,7 @@ def child_report(engine_config: Any) -> dict[str, Any]:
     if PROBE not in AttentionBackendEnum.__members__:
         # the plain way every out-of-tree backend registers today: a str class path
         register_backend(PROBE, "attnhost_tiny.TinyAttnBackend")
-    names = ("TINY", "BATCHED_MATMUL", "TORCH_NATIVE", PROBE)
+    names = ("TINY", "BATCHED_MATMUL", "TORCH_NATIVE", "TORCH_NATIVE_MLA", PROBE)
     return spawned(report, engine_config, [pickle.dumps(AttentionBackendEnum[name]) for name in names])
 
 
@@ -60,12 +60,13 @@ def test_spawned_engine_process_gets_the_backends(child_report: dict[str, Any]) 
 
 
 def test_each_name_survives_the_pickle_as_itself(child_report: dict[str, Any]) -> None:
-    """One class path per name: TINY and BATCHED_MATMUL do not alias each other across the pickle."""
-    assert child_report["members"][:3] == ["TINY", "BATCHED_MATMUL", "TORCH_NATIVE"]
+    """One class path per name: TINY and BATCHED_MATMUL do not alias each other across the pickle, nor does a
+    backend's MLA name alias its dense one."""
+    assert child_report["members"][:4] == ["TINY", "BATCHED_MATMUL", "TORCH_NATIVE", "TORCH_NATIVE_MLA"]
 
 
 def test_the_trap_a_plainly_registered_member_does_not_survive(child_report: dict[str, Any]) -> None:
     """Negative control: what a member registered with a plain class path hits in a spawned process."""
-    assert child_report["members"][3].startswith(
+    assert child_report["members"][4].startswith(
         "ValueError: 'attnhost_tiny.TinyAttnBackend' is not a valid AttentionBackendEnum"
     )

@@ -109,6 +109,9 @@ class _Identity:
     origin: str
     factory: Any
     capabilities: BackendCapabilities
+    sibling: str | None = None
+    """The vLLM name of the same attnhost backend in the other role (the MLA backend of a dense name, the dense
+    backend of an MLA name), for refusals that name the way out; ``None`` when there is none."""
 
     @property
     def where(self) -> str:
@@ -119,6 +122,20 @@ class _Identity:
 
     def failed(self, method: str, batch: ForwardBatch, layer_id: int | None, exc: BaseException) -> BackendFailedError:
         return backend_failed(self.where, self.origin, method, batch.forward_mode.name, layer_id, exc)
+
+    def sibling_way_out(self, mla: bool) -> str | None:
+        """Where a model of the other kind goes (its MLA or its dense name), if this backend serves both."""
+        if self.sibling is None:
+            return None
+        return f"select its {'MLA' if mla else 'dense'} backend, --attention-backend {self.sibling.lower()}"
+
+    def explain(self, reason: str) -> str:
+        """One of vLLM's selection reasons, with the way out where attnhost knows it."""
+        if reason == "MLA not supported":
+            return f"{reason}: {self.sibling_way_out(True) or 'it does not declare BackendCapabilities.mla'}"
+        if reason == "non-MLA not supported" and self.sibling is not None:
+            return f"{reason}: {self.sibling_way_out(False)}"
+        return reason
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -208,7 +225,7 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
         """vLLM's own checks against what this class declares, each reason naming the attnhost backend."""
         reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
-        return [f"{cls.identity.where}: {reason}" for reason in reasons]
+        return [f"{cls.identity.where}: {cls.identity.explain(reason)}" for reason in reasons]
 
 
 class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]):  # type: ignore[misc]
@@ -217,6 +234,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
     identity: ClassVar[_Identity]
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
     reorder_batch_threshold: int | None = None
+    kv_cache_cls: ClassVar[type[VLLMKVCache]] = VLLMKVCache
+    """The attnhost cache over vLLM's tensors that backends get (the MLA builder's reads latent rows)."""
 
     def __init__(
         self,
@@ -226,21 +245,27 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         device: torch.device,
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        identity = self.identity
-        _check_spec(identity, kv_cache_spec)
+        self.check_spec(kv_cache_spec)
         self.block_size: int = kv_cache_spec.block_size
         self.dtype: torch.dtype = kv_cache_spec.dtype
         self.device = torch.device(device)
+        self._is_draft = bool(kv_cache_spec.is_draft)
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
         self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
         default_host().freeze(by="a vLLM attention metadata builder")
+        self.attnhost_backend = self.new_attnhost_backend()
+
+    def check_spec(self, kv_cache_spec: Any) -> None:
+        """Refuse a KV-cache group this builder cannot serve (before any backend is built)."""
+        _check_spec(self.identity, kv_cache_spec)
+
+    def new_attnhost_backend(self) -> AttentionBackend:
+        """A new instance of the attnhost backend, over this builder's cache views, stamped with its name."""
+        identity = self.identity
         empty = torch.zeros((0, 0), dtype=torch.int64, device=self.device)
         runner = RunnerView(
-            self.device,
-            self.dtype,
-            bool(kv_cache_spec.is_draft),
-            VLLMKVCache(self.device, self.dtype, empty, self.views),
+            self.device, self.dtype, self._is_draft, self.kv_cache_cls(self.device, self.dtype, empty, self.views)
         )
         backend = build_backend(
             identity.factory,
@@ -250,7 +275,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             owner=identity.origin,
         )
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = identity.attnhost_name
-        self.attnhost_backend = backend
+        return backend
 
     def build(
         self,
@@ -463,8 +488,12 @@ def _slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _check_spec(identity: _Identity, spec: Any) -> None:
     """Refuse, at builder construction, a KV-cache group the attnhost contract cannot serve."""
     refuse = identity.refuse
+    if isinstance(spec, MLAAttentionSpec):
+        way_out = identity.sibling_way_out(True)
+        if way_out is not None:
+            raise refuse("MLA (multi-head latent attention) under its dense name", way_out)
+        raise refuse("MLA (multi-head latent attention): it does not declare BackendCapabilities.mla")
     for kind, feature in (
-        (MLAAttentionSpec, "MLA (multi-head latent attention)"),
         (SlidingWindowSpec, "sliding-window attention"),
         (ChunkedLocalAttentionSpec, "chunked local attention"),
         (CrossAttentionSpec, "encoder-decoder cross-attention"),
@@ -489,12 +518,8 @@ def _check_spec(identity: _Identity, spec: Any) -> None:
         raise refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
 
 
-def make_backend_class(engine_name: str, backend: ExportedBackend) -> type[AttnhostVLLMBackend]:
-    """The vLLM backend class for one vLLM name: its own backend, builder and impl subclasses.
-
-    The classes live, for vLLM's ``resolve_obj_by_qualname`` and for pickle,
-    at ``attnhost.engines.vllm.backends.<engine_name>``.
-    """
+def make_identity(engine_name: str, backend: ExportedBackend, sibling: str | None = None) -> _Identity:
+    """Load the attnhost backend's factory (a failure names backend, plugin and way out) and say who it is."""
     entry = backend.entry
     origin = plugin_label(entry.plugin, entry.distribution, entry.version)
     try:
@@ -504,28 +529,43 @@ def make_backend_class(engine_name: str, backend: ExportedBackend) -> type[Attnh
             f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
             f"reinstall {entry.distribution or 'the plugin'} or choose another --attention-backend"
         ) from exc
-    capabilities = capabilities_of(factory)
-    identity = _Identity(engine_name, backend.name, origin, factory, capabilities)
+    return _Identity(engine_name, backend.name, origin, factory, capabilities_of(factory), sibling)
 
-    def named(base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
-        cls = type(f"{engine_name}{suffix}", (base,), {"identity": identity, **namespace})
-        cls.__module__ = BACKENDS_MODULE
-        cls.__qualname__ = f"{engine_name}.{suffix}" if suffix else engine_name
-        cls.__doc__ = f"attnhost backend {backend.name!r} ({origin}) as vLLM's {engine_name}{suffix}."
-        return cls
 
-    impl = named(AttnhostVLLMImpl, "Impl", {})
-    builder = named(AttnhostVLLMMetadataBuilder, "Builder", {})
+def named_class(identity: _Identity, base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
+    """A subclass of ``base`` for one vLLM name, where vLLM's ``resolve_obj_by_qualname`` and pickle find it
+    (``attnhost.engines.vllm.backends.<engine_name>``)."""
+    name = identity.engine_name
+    cls = type(f"{name}{suffix}", (base,), {"identity": identity, **namespace})
+    cls.__module__ = BACKENDS_MODULE
+    cls.__qualname__ = f"{name}.{suffix}" if suffix else name
+    cls.__doc__ = f"attnhost backend {identity.attnhost_name!r} ({identity.origin}) as vLLM's {name}{suffix}."
+    return cls
+
+
+def supported_dtypes(capabilities: BackendCapabilities) -> dict[str, Any]:
+    """vLLM's ``supported_dtypes`` / ``supported_kv_cache_dtypes`` from what the backend declares."""
     dtypes = [
         getattr(torch, name) for name in capabilities.dtypes if isinstance(getattr(torch, name, None), torch.dtype)
     ]
     kv_dtypes = ["auto", *(name for name in capabilities.dtypes if name in _VLLM_KV_DTYPES)]
-    cls: type[AttnhostVLLMBackend] = named(
+    return {"supported_dtypes": dtypes, "supported_kv_cache_dtypes": kv_dtypes}
+
+
+def make_backend_class(
+    engine_name: str, backend: ExportedBackend, sibling: str | None = None
+) -> type[AttnhostVLLMBackend]:
+    """The vLLM backend class for one vLLM name: its own backend, builder and impl subclasses (``sibling``: the
+    vLLM name of the backend's MLA twin, if it has one)."""
+    identity = make_identity(engine_name, backend, sibling)
+    impl = named_class(identity, AttnhostVLLMImpl, "Impl", {})
+    builder = named_class(identity, AttnhostVLLMMetadataBuilder, "Builder", {})
+    cls: type[AttnhostVLLMBackend] = named_class(
+        identity,
         AttnhostVLLMBackend,
         "",
         {
-            "supported_dtypes": dtypes,
-            "supported_kv_cache_dtypes": kv_dtypes,
+            **supported_dtypes(identity.capabilities),
             "get_name": staticmethod(lambda: engine_name),
             "get_impl_cls": staticmethod(lambda: impl),
             "get_builder_cls": staticmethod(lambda: builder),

@@ -8,7 +8,10 @@ follows the rule every engine bridge shares
 (:func:`attnhost.engines.export.plan_exports`): implemented and available
 ones only; a name vLLM already has keeps vLLM's backend and the attnhost one
 becomes ``ATTNHOST_<NAME>``, with one warning, unless the operator opts in
-with ``ATTNHOST_VLLM_OVERRIDE``.
+with ``ATTNHOST_VLLM_OVERRIDE``. A backend that declares
+``BackendCapabilities.mla`` gets a second name for MLA models,
+``<NAME>_MLA``, whose class is vLLM's MLA interface
+(:mod:`attnhost.engines.vllm.mla_names`, :mod:`attnhost.engines.vllm.mla_adapter`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import logging
 import threading
 from typing import Any
 
+from attnhost.backend import capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
+from attnhost.engines.vllm.mla_names import plan_mla_exports
 from attnhost.engines.vllm.names import ClassPath, class_path, vllm_name
 from attnhost.errors import BackendUnavailableError
 from attnhost.host import engine_load_failure
 from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
-__all__ = ["backend_class", "current_plan", "exported", "install", "registered_value"]
+__all__ = ["backend_class", "current_plan", "exported", "install", "mla_name", "registered_value"]
 
 logger = logging.getLogger("attnhost.engines.vllm")
 
@@ -31,6 +36,8 @@ _lock = threading.RLock()
 _plan: ExportPlan | None = None
 _ours: dict[str, ExportedBackend] = {}
 """vLLM names this process registered (or, with the override, took over), with what they serve."""
+_mla_names: dict[str, str] = {}
+"""Dense vLLM name → the MLA name of the same backend, for the backends that declare ``mla``."""
 _classes: dict[str, type[Any]] = {}
 _logged: set[str] = set()
 
@@ -77,10 +84,11 @@ def install() -> ExportPlan:
                     register_backend(name, path)
                 _ours[name] = backend
                 added.append(name)
+        added += _install_mla_names(plan, members, register_backend)
         _plan = plan
         if added:
             names = ", ".join(
-                f"{name}{' (draft)' if _ours[name].draft else ''}"
+                f"{name}{' (MLA)' if name in _mla_names.values() else ''}{' (draft)' if _ours[name].draft else ''}"
                 + (f" as attnhost {_ours[name].name!r}" if name != vllm_name(_ours[name].name) else "")
                 for name in added
             )
@@ -88,6 +96,38 @@ def install() -> ExportPlan:
         elif not _ours:
             _log_once(logging.INFO, "attnhost registered no vLLM attention backend (none implemented and available)")
         return plan
+
+
+def _install_mla_names(plan: ExportPlan, members: Any, register_backend: Any) -> list[str]:
+    """Register the MLA name of every exported backend that declares ``mla``; the names added."""
+    mla, warnings = plan_mla_exports(plan, _declares_mla, lambda name: name in members, _ours, vllm_name)
+    for warning in warnings:
+        _log_once(logging.WARNING, warning)
+    added = []
+    for export in mla:
+        name = export.engine_name
+        _mla_names[export.backend.engine_name] = name
+        if name in _ours:
+            continue
+        path = class_path(name)
+        register_backend(members[name] if export.overrides else name, path)
+        _ours[name] = export.backend
+        added.append(name)
+    return added
+
+
+def _declares_mla(backend: ExportedBackend) -> bool:
+    try:
+        return capabilities_of(backend.entry.spec.load()).mla
+    except Exception:  # unloadable: its dense class says why when vLLM builds it, and no MLA model can run on it
+        return False
+
+
+def mla_name(engine_name: str) -> str | None:
+    """The vLLM name under which the backend registered as ``engine_name`` serves MLA models, if it declares
+    ``mla`` (``TORCH_NATIVE`` → ``TORCH_NATIVE_MLA``)."""
+    install()
+    return _mla_names.get(engine_name)
 
 
 def _log_once(level: int, message: str) -> None:
@@ -132,7 +172,13 @@ def backend_class(engine_name: str) -> type[Any]:
             )
         cls = _classes.get(engine_name)
         if cls is None:
-            from attnhost.engines.vllm.adapter import make_backend_class
+            if engine_name in _mla_names.values():
+                from attnhost.engines.vllm.mla_adapter import make_mla_backend_class
 
-            cls = _classes[engine_name] = make_backend_class(engine_name, backend)
+                cls = make_mla_backend_class(engine_name, backend, backend.engine_name)
+            else:
+                from attnhost.engines.vllm.adapter import make_backend_class
+
+                cls = make_backend_class(engine_name, backend, _mla_names.get(engine_name))
+            _classes[engine_name] = cls
         return cls

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -199,7 +201,18 @@ def make_case(
     return case
 
 
-def _metadata(reqs: list[Request], block_size: int, padding: int) -> CommonAttentionMetadata:
+class Placed(Protocol):
+    """A request as the metadata needs it: its lengths and its blocks (the dense and the MLA cases' requests)."""
+
+    prefix: int
+    query: int
+    blocks: list[int]
+
+    @property
+    def seq(self) -> int: ...
+
+
+def _metadata(reqs: Sequence[Placed], block_size: int, padding: int) -> CommonAttentionMetadata:
     """vLLM's CommonAttentionMetadata for the batch: int32 lengths and block table, int64 slot mapping."""
     starts = [0]
     for r in reqs:

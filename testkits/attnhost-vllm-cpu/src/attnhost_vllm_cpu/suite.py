@@ -22,7 +22,14 @@ has no CPU ``vllm._C``, so no model runs; against each backend, what does:
   ``slot_mapping`` says and nowhere else;
 * every vLLM KV-cache layout: computed right where the adapter declares the
   layout; elsewhere computed right or refused with one error naming NAME and
-  the layout, never computed wrong.
+  the layout, never computed wrong;
+* for a backend that declares ``mla``: its MLA name (``NAME_MLA``) in vLLM's
+  own ``MLAAttention`` layer, on vLLM's MLA cache and metadata — prefill (the
+  MHA form), decode and prefix-cached (the absorbed form), mixed batches (both,
+  or absorbed throughout when a prefill has a cached prefix), block sizes 1 and
+  16, in each dtype NAME declares — against decompressed float64 attention,
+  the latent rows exactly at ``slot_mapping`` (:mod:`.mla`); skipped, saying
+  why, for a backend that does not declare it.
 
 A name attnhost does not know, or a backend attnhost did not register with
 vLLM, fails the registration test once with the reason; the rest skip,
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -51,6 +59,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 from attnhost_vllm_cpu import config as vllm_config  # noqa: E402
 from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES, ForwardCase, check, dtype_name  # noqa: E402
+from attnhost_vllm_cpu.mla import MLA_BATCHES, MLA_SHAPE, mla_check, one_rank_group  # noqa: E402
 from attnhost_vllm_cpu.registration import (  # noqa: E402
     ENTRY_POINT,
     NotInVllmError,
@@ -74,6 +83,13 @@ FORWARD_CASES = [
     for block in BLOCK_SIZES
 ]
 LAYOUTS = [layout.name for layout in KVCacheLayout]
+MLA_BLOCK_SIZES = (1, 16)
+MLA_CASES = [
+    pytest.param(batch, block, dtype, id=f"{batch}-block{block}-{dtype_name(dtype)}")
+    for dtype in DTYPES
+    for batch in MLA_BATCHES
+    for block in MLA_BLOCK_SIZES
+]
 
 
 def _backend(name: str) -> VllmBackend:
@@ -84,12 +100,15 @@ def _backend(name: str) -> VllmBackend:
         pytest.skip(f"{exc} ({REGISTRATION_TEST} fails with this)")
 
 
-def _declared_dtypes(backend: VllmBackend) -> tuple[str, ...]:
+def _capabilities(backend: VllmBackend) -> Any:
     from attnhost.backend import capabilities_of
     from attnhost.host import get_registry
 
-    dtypes: tuple[str, ...] = tuple(capabilities_of(get_registry().entry(backend.attnhost_name).spec.load()).dtypes)
-    return dtypes
+    return capabilities_of(get_registry().entry(backend.attnhost_name).spec.load())
+
+
+def _declared_dtypes(backend: VllmBackend) -> tuple[str, ...]:
+    return tuple(_capabilities(backend).dtypes)
 
 
 def _class_path(member: Any) -> str:
@@ -105,6 +124,13 @@ def _failure(cls: type, fcase: ForwardCase, what: str) -> AssertionError | None:
     except AssertionError as exc:
         return exc
     return None
+
+
+@pytest.fixture(scope="session")
+def vllm_one_rank_group() -> Iterator[None]:
+    """vLLM's linear layers (an MLA layer's ``kv_b_proj``) need a tensor-parallel group: one rank, for the session."""
+    with one_rank_group():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -239,3 +265,34 @@ class TestVllmEngine:
         assert f"attnhost backend {backend.attnhost_name!r}" in str(cause) and "layout" in str(cause), (
             f"{what}: the refusal does not name the backend and the layout: {cause}"
         )
+
+    @pytest.mark.parametrize(("batch", "block_size", "dtype"), MLA_CASES)
+    def test_mla(
+        self, attnhost_backend_name: str, batch: str, block_size: int, dtype: Any, vllm_one_rank_group: None
+    ) -> None:
+        from attnhost.engines.vllm.bridge import mla_name
+
+        backend = _backend(attnhost_backend_name)
+        if not _capabilities(backend).mla:
+            pytest.skip(
+                f"backend {backend.attnhost_name!r} does not declare mla (capabilities.mla = False): vLLM refuses "
+                "it for MLA models"
+            )
+        name = mla_name(backend.engine_name)
+        if name is None:
+            pytest.fail(f"{backend.label} declares mla, but attnhost registered no MLA name for it", pytrace=False)
+        declared = _declared_dtypes(backend)
+        if dtype_name(dtype) not in declared:
+            pytest.skip(f"backend {backend.attnhost_name!r} does not declare {dtype_name(dtype)} (dtypes = {declared})")
+        what = (
+            f"vLLM MLA forward of {backend.label} as {name}, {batch} batch {MLA_BATCHES[batch]}, block size "
+            f"{block_size}, {dtype_name(dtype)}, latent {MLA_SHAPE.kv_lora_rank} + rope {MLA_SHAPE.qk_rope_head_dim}"
+        )
+        try:
+            mla_check(AttentionBackendEnum[name].get_class(), batch, block_size, dtype, what)
+        except AssertionError as exc:
+            failure: AssertionError | None = exc
+        else:
+            failure = None
+        if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
