@@ -15,7 +15,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,79 @@ def per_call(fn: Callable[..., object], number: int, *args: object) -> Callable[
         return (time.perf_counter() - start) / number
 
     return run
+
+
+def llc_bytes() -> int:
+    """The largest CPU cache the OS reports (sysfs), or 32 MiB if it says nothing."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        best = max(best, int(text.rstrip("KMG")) * scale)
+    return best or 32 << 20
+
+
+def stream_buffer() -> Any:
+    """A float32 tensor far beyond the last-level cache (4x it, at least 1 GiB): summing it is a memory stream."""
+    import torch
+
+    return torch.ones(max(4 * llc_bytes(), 1 << 30) // 4, dtype=torch.float32)
+
+
+def bandwidth_pairs(stream: Any, kernel: Callable[[], object], nbytes: int, rounds: int) -> tuple[Stats, float, float]:
+    """A kernel's bandwidth as a share of a memory stream's (``stream.sum()``), median over interleaved
+    (stream, kernel) pairs; and both bandwidths' medians in GB/s.
+
+    Each kernel call follows a stream that has evicted its data from the caches, so it reads from memory, and a
+    burst of load from another process hits both of a pair alike. ``nbytes`` is what one kernel call must read.
+    """
+    ratios, kernel_bw, stream_bw = [], [], []
+    for index in range(rounds + 1):
+        start = time.perf_counter()
+        stream.sum()
+        mid = time.perf_counter()
+        kernel()
+        end = time.perf_counter()
+        if index:  # the first pair warms up
+            s, k = stream.numel() * stream.element_size() / (mid - start), nbytes / (end - mid)
+            ratios.append(k / s)
+            kernel_bw.append(k / 1e9)
+            stream_bw.append(s / 1e9)
+    return Stats.of(ratios), statistics.median(kernel_bw), statistics.median(stream_bw)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` for the block, restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def noop_backend() -> Any:
+    """An attnhost backend that does no attention (dense or MLA's absorbed form): what remains of a bridged call
+    is the adapter. Swapped in for an adapter's ``attnhost_backend``, it measures the adapter's own work."""
+    from attnhost import AttentionBackend
+
+    class NoOp(AttentionBackend):
+        def init_forward_metadata(self, forward_batch: object) -> None:
+            pass
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
+            return q
+
+        def forward_mla_mqa(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None):  # type: ignore[no-untyped-def]
+            return q
+
+    return NoOp()
 
 
 def machine() -> dict[str, Any]:

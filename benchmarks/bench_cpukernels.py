@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,24 +37,20 @@ from attnhost_sglang_cpu import shim  # noqa: E402  (the test-only SGLang CPU ki
 shim.install()  # SGLang imports torchvision at module level, and PyPI's torchvision cannot import beside the CPU torch
 
 import torch  # noqa: E402
-from _common import Row, Stats, interleaved, per_call  # noqa: E402
+from _common import (  # noqa: E402
+    Row,
+    bandwidth_pairs,
+    interleaved,
+    llc_bytes,
+    noop_backend,
+    per_call,
+    stream_buffer,
+    torch_threads,
+)
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BACKEND = "cpu_paged"
 SECTION = "cpukernels"
-
-
-def _llc_bytes() -> int:
-    """The largest CPU cache the OS reports (sysfs), or 32 MiB if it says nothing."""
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        best = max(best, int(text.rstrip("KMG")) * scale)
-    return best or 32 << 20
 
 
 class Setup:
@@ -94,38 +87,6 @@ class Setup:
         return lambda: backend.forward(*args)
 
 
-def _pairs(
-    stream: torch.Tensor, kernel: Callable[[], object], kv_bytes: int, rounds: int
-) -> tuple[Stats, float, float]:
-    """The kernel's bandwidth as a share of the stream's, median over interleaved (stream, kernel) pairs; and
-    both bandwidths' medians in GB/s."""
-    ratios, kernel_bw, stream_bw = [], [], []
-    for index in range(rounds + 1):
-        start = time.perf_counter()
-        stream.sum()
-        mid = time.perf_counter()
-        kernel()
-        end = time.perf_counter()
-        if index:  # the first pair warms up
-            s, k = stream.numel() * stream.element_size() / (mid - start), kv_bytes / (end - mid)
-            ratios.append(k / s)
-            kernel_bw.append(k / 1e9)
-            stream_bw.append(s / 1e9)
-    return Stats.of(ratios), statistics.median(kernel_bw), statistics.median(stream_bw)
-
-
-def _threads(n: int) -> Any:
-    class _Threads:
-        def __enter__(self) -> None:
-            self.before = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc: object) -> None:
-            torch.set_num_threads(self.before)
-
-    return _Threads()
-
-
 def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
     from sglang.srt.plugins import load_plugins
 
@@ -135,8 +96,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
 
     rows: list[Row] = []
     rounds = 7 if quick else 15
-    llc = _llc_bytes()
-    stream = torch.ones(max(4 * llc, 1 << 30) // 4, dtype=torch.float32)
+    llc = llc_bytes()
+    stream = stream_buffer()
     log(
         f"{BACKEND}: kernel {kernel_info()}; largest cache {llc >> 20} MiB; stream buffer {stream.numel() * 4 >> 20} "
         f"MiB; load average {os.getloadavg()}"
@@ -145,8 +106,8 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
         decode16 = Setup("decode b=16 ctx=4096", (4095,) * 16, ())
         decode1 = Setup("decode b=1 ctx=4096", (4095,), ())
         for threads, setup in ((1, decode16), (2, decode16), (2, decode1)):
-            with _threads(threads):
-                share, kernel_gbs, stream_gbs = _pairs(stream, setup.call(BACKEND), setup.kv_bytes, rounds)
+            with torch_threads(threads):
+                share, kernel_gbs, stream_gbs = bandwidth_pairs(stream, setup.call(BACKEND), setup.kv_bytes, rounds)
             label = f"decode b={setup.batch.batch_size} ctx=4096, {threads} thread(s)"
             log(
                 f"  bandwidth {label}: {BACKEND} {kernel_gbs:.1f} GB/s, stream {stream_gbs:.1f} GB/s, median pair "
@@ -169,7 +130,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
                     notes=[f"{BACKEND} {kernel_gbs:.1f} GB/s, stream {stream_gbs:.1f} GB/s (medians)"],
                 )
             )
-        with _threads(1):
+        with torch_threads(1):
             for setup, targets in (
                 (decode16, {"sglang torch_native": 5.0, "attnhost_torch_native": 2.5}),
                 (Setup("extend b=4 new=128 prefix=1024", (1024,) * 4, (128,) * 4), None),
@@ -204,7 +165,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
         del decode16, decode1
         # the adapter's own cost per layer call against this kernel, on every case of the bridge benchmark
         worst = 0.0
-        with _threads(1):
+        with torch_threads(1):
             for label, _mode, prefix, extend in bench_sglang_bridge._cases(quick):
                 setup = Setup(label, prefix, extend)
                 bridge = setup.backends[BACKEND]
@@ -213,7 +174,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
                 q3 = setup.q.view(-1, HEADS, HEAD_DIM)
                 direct = inner.forward_decode if setup.mode == "decode" else inner.forward_extend
                 number = max(3, int(3e5 // (sum(prefix) + len(setup.q) + 1)))
-                noop = bench_sglang_bridge._noop_backend()
+                noop = noop_backend()
                 stats = interleaved(
                     {"direct": per_call(direct, number, q3, setup.k, setup.v, attnhost_layer, attnhost_batch)},
                     rounds,

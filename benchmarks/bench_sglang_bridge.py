@@ -55,23 +55,9 @@ from attnhost_sglang_cpu import shim  # noqa: E402  (the test-only kit, testkits
 shim.install()  # SGLang imports torchvision at module level (see the kit's shim)
 
 import torch  # noqa: E402
-from _common import interleaved, per_call  # noqa: E402
+from _common import interleaved, noop_backend, per_call  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-
-
-def _noop_backend() -> object:
-    """An attnhost backend that does no attention: what remains of a bridged call is the adapter."""
-    from attnhost import AttentionBackend
-
-    class NoOp(AttentionBackend):
-        def init_forward_metadata(self, forward_batch: object) -> None:
-            pass
-
-        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):  # type: ignore[no-untyped-def]
-            return q
-
-    return NoOp()
 
 
 class _Case(unittest.TestCase):
@@ -195,7 +181,7 @@ def main() -> int:
                     rounds,
                 )
                 real_inner = bridge.attnhost_backend
-                noop = _noop_backend()
+                noop = noop_backend()
                 bridge.attnhost_backend = noop
                 noop_method = noop.forward_decode if mode == "decode" else noop.forward_extend
                 # SGLang's own forward() routing (and its debug decorator) is paid by every SGLang backend:
@@ -336,7 +322,7 @@ def _time_bridge(bridge: object, fixture: object, rounds: int) -> tuple[float, f
             },
             rounds,
         )
-        noop = _noop_backend()
+        noop = noop_backend()
         bridge.attnhost_backend = noop  # type: ignore[attr-defined]
         costs = interleaved(
             {
