@@ -27,8 +27,9 @@ BACKENDS = {
     "tiny": ("attnhost-tiny", "attnhost-tiny", "0.1.0", "tiny"),
     "cpu_paged": ("attnhost-cpukernels", "attnhost-cpukernels", "0.1.0", "cpukernels"),  # a C++ extension
 }
-#: Why a kit test of an example may skip: a capability it does not declare (tiny and batched_matmul: flat_heads).
-NOT_DECLARED = ("does not declare flat_heads", "does not declare mla")
+#: Why a kit test of an example may skip: a capability it does not declare (tiny and batched_matmul: flat_heads;
+#: tiny and cpu_paged: mla), or the refusal check of one it does (batched_matmul declares mla).
+NOT_DECLARED = ("does not declare flat_heads", "does not declare mla", "declares mla")
 # A compiled example is built against torch: where there is none (py312, py313), only the others are.
 BUILT = {
     name: example

@@ -11,7 +11,9 @@ budget:
   one-layer Llama sharing the tokenizer) on ``tiny``, prefix cache on: the ids equal the plain run's, verify ran,
   and the probe shows the target runner's stamps stay ``attnhost_torch_native``, the draft's ``tiny``, and every
   target forward, ``TARGET_VERIFY`` included, ran torch_native's MLA code (never tiny's);
-* ``tp_size=2``: the ids equal ``tp_size=1``'s, the MLA adapter in both ranks.
+* ``tp_size=2``: the ids equal ``tp_size=1``'s, the MLA adapter in both ranks;
+* the example plugin's ``batched_matmul`` (its own MLA kernels) on the small latent shape, generating twice like
+  torch_native, so a plugin other than the built-in one serves both forms inside the engine.
 
 The probe hooks the attnhost backend classes themselves (``ATTNHOST_TEST_PROBE_TARGETS``), so its records say
 which backend's code ran which MLA form, in which mode, for which runner.
@@ -29,14 +31,18 @@ from attnhost_sglang_cpu.e2e import ADAPTER, MLA_ADAPTER, EngineRuns, TinyModel,
 from attnhost_sglang_cpu.run_engine import speculative_args
 from conftest import NEW_TOKENS
 
-TARGET, DRAFT = "attnhost_torch_native", "tiny"
+TARGET, DRAFT, BATCHED = "attnhost_torch_native", "tiny", "batched_matmul"
 TORCH_NATIVE = "attnhost_builtin.torch_native.TorchNativeAttnBackend"
 TINY = "attnhost_tiny.TinyAttnBackend"
+BATCHED_CODE = "attnhost_batched.backend.BatchedMatmulAttnBackend"
 PROBE_TARGETS = {
-    "ATTNHOST_TEST_PROBE_TARGETS": "attnhost_builtin.torch_native:TorchNativeAttnBackend,attnhost_tiny:TinyAttnBackend"
+    "ATTNHOST_TEST_PROBE_TARGETS": "attnhost_builtin.torch_native:TorchNativeAttnBackend,attnhost_tiny:TinyAttnBackend,"
+    "attnhost_batched.backend:BatchedMatmulAttnBackend"
 }
 RANK_CPUS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 SHAPES = {f"latent{rank}": (rank, rope) for rank, rope in tm.LATENT_SHAPES}
+# run name -> (latent shape, backend, the class whose MLA code must have run) of the plain two-pass runs
+PLAIN_RUNS = {name: (name, TARGET, TORCH_NATIVE) for name in SHAPES} | {"batched": ("latent32", BATCHED, BATCHED_CODE)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,7 @@ def mla_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) ->
     runs.append({"name": "seed", "backend": TARGET, "model": small, "passes": 2, "engine_args": spec,
                  "env": SPECULATIVE_ENV})  # fmt: skip
     runs.append({"name": "tp2", "backend": TARGET, "model": small, "engine_args": {"tp_size": 2}, "env": RANK_CPUS})
+    runs.append({"name": "batched", "backend": BATCHED, "model": small, "passes": 2})
     runs.append({"name": "refused", "backend": DRAFT, "model": small})  # last: a refused start ends its driver
     done = run_engines(
         models["latent32"].path,
@@ -104,22 +111,24 @@ def _stamped(runner: dict[str, Any], name: str) -> bool:
     return all(runner[stamp] == name for stamp in stamps)
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_greedy_ids_equal_hf_also_from_the_prefix_cache(shape: str, mla_runs: MLARuns) -> None:
-    result, model = _ok(mla_runs, shape), mla_runs.models[shape]
+@pytest.mark.parametrize("run", list(PLAIN_RUNS))
+def test_greedy_ids_equal_hf_also_from_the_prefix_cache(run: str, mla_runs: MLARuns) -> None:
+    shape, backend, code = PLAIN_RUNS[run]
+    result, model = _ok(mla_runs, run), mla_runs.models[shape]
     assert result["output_ids"] == model.hf_ids
     [second] = result["later_passes"]
     assert second["output_ids"] == model.hf_ids
     assert all(meta["cached_tokens"] > 0 for meta in second["meta_info"]), second["meta_info"]  # the radix cache hit
 
-    records = read_probe(mla_runs.runs.probes[shape])
+    records = read_probe(mla_runs.runs.probes[run])
     [target] = _runners(records)[False]
-    assert target["backend_class"] == MLA_ADAPTER and _stamped(target, TARGET), target
+    assert target["backend_class"] == MLA_ADAPTER and _stamped(target, backend), target
     ran = _ran(records, target)
-    assert (TORCH_NATIVE, "forward_mla_mha", "EXTEND") in ran, ran  # the first prefill: no cached prefix
-    assert (TORCH_NATIVE, "forward_mla_mqa", "EXTEND") in ran, ran  # the second: over the cached prefix
-    assert (TORCH_NATIVE, "forward_mla_mqa", "DECODE") in ran, ran
-    assert not {method for cls, method, _ in ran if cls == TORCH_NATIVE} & {"forward_extend", "forward_decode"}, ran
+    assert (code, "forward_mla_mha", "EXTEND") in ran, ran  # the first prefill: no cached prefix
+    assert (code, "forward_mla_mqa", "EXTEND") in ran, ran  # the second: over the cached prefix
+    assert (code, "forward_mla_mqa", "DECODE") in ran, ran
+    assert not {method for cls, method, _ in ran if cls == code} & {"forward_extend", "forward_decode"}, ran
+    assert {cls for cls, _, _ in ran if cls in (TORCH_NATIVE, TINY, BATCHED_CODE)} == {code}, ran  # no other's code
 
 
 def test_mla_target_and_dense_draft_on_two_attnhost_backends(mla_runs: MLARuns) -> None:

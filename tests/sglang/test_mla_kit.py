@@ -55,7 +55,8 @@ def _exported() -> dict[str, bool]:
 
 
 MLA_BACKENDS = tuple(name for name, mla in _exported().items() if mla)
-DENSE_ONLY = "tiny"  # the example plugin: dense attention only
+DENSE_ONLY = "tiny"  # an example plugin with dense attention only
+MLA_EXAMPLE = "batched_matmul"  # an example plugin that serves MLA with kernels of its own
 
 CASES = [
     pytest.param(backend, dtype, rope, case, id=f"{backend}-{str(dtype).removeprefix('torch.')}-rope{rope}-{case.name}")
@@ -66,8 +67,9 @@ CASES = [
 ]
 
 
-def test_the_built_in_backend_is_mla_capable_and_the_example_is_not() -> None:
+def test_the_built_in_backend_and_one_example_are_mla_capable_and_the_dense_example_is_not() -> None:
     assert "attnhost_torch_native" in MLA_BACKENDS
+    assert MLA_EXAMPLE in MLA_BACKENDS, f"the example plugin's {MLA_EXAMPLE} is not installed or not MLA-capable"
     assert DENSE_ONLY not in MLA_BACKENDS
 
 
