@@ -29,7 +29,7 @@ KIT = "attnhost-vllm-cpu"
 #: for a backend that does not declare mla
 MLA_CASES = len(KIT_MLA_CASES)
 ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES
-MLA_BACKENDS = {"torch_native"}
+MLA_BACKENDS = {"torch_native", "batched_matmul"}  # the project backends that declare mla
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''

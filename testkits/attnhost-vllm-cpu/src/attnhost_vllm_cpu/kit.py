@@ -211,6 +211,8 @@ class Placed(Protocol):
     @property
     def seq(self) -> int: ...
 
+    def written(self, position: int) -> bool: ...
+
 
 def _metadata(reqs: Sequence[Placed], block_size: int, padding: int) -> CommonAttentionMetadata:
     """vLLM's CommonAttentionMetadata for the batch: int32 lengths and block table, int64 slot mapping."""

@@ -107,6 +107,10 @@ class MLARequest:
     def seq(self) -> int:
         return self.prefix + self.query
 
+    def written(self, position: int) -> bool:
+        """Every new token of an MLA case has a slot (no drafter-rejected tokens here)."""
+        return True
+
 
 @dataclass
 class MLACase:
