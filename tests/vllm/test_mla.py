@@ -125,10 +125,15 @@ def test_an_mla_capable_backend_is_registered_twice_as_vllm_names_its_pairs() ->
     assert cls.get_impl_cls().__qualname__ == f"{NAME}.Impl" and cls.get_builder_cls().__qualname__ == f"{NAME}.Builder"
 
 
-@pytest.mark.parametrize("name", ["TINY", "BATCHED_MATMUL", "CPU_PAGED"])
+@pytest.mark.parametrize("name", ["TINY", "CPU_PAGED"])
 def test_backends_without_mla_get_no_mla_name(name: str) -> None:
     assert bridge.mla_name(name) is None and f"{name}_MLA" not in AttentionBackendEnum.__members__
     assert AttentionBackendEnum[name].get_class().identity.sibling is None
+
+
+def test_the_example_that_declares_mla_gets_its_mla_twin() -> None:
+    assert bridge.mla_name("BATCHED_MATMUL") == "BATCHED_MATMUL_MLA"
+    assert AttentionBackendEnum["BATCHED_MATMUL"].get_class().identity.sibling == "BATCHED_MATMUL_MLA"
 
 
 # -- vLLM's MLAAttention layer -----------------------------------------------------------------------------------

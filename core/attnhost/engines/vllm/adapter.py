@@ -382,23 +382,17 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         **extra_impl_args: Any,
     ) -> None:
         refuse = self.identity.refuse
-        if alibi_slopes is not None:
-            raise refuse("ALiBi position biases")
-        if sliding_window is not None:
-            raise refuse(f"sliding-window attention (window {sliding_window})")
-        if logits_soft_cap:
-            raise refuse(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
-        if attn_type != AttentionType.DECODER:
-            raise refuse(f"{AttentionType(attn_type).value} attention (it computes causal decoder self-attention)")
-        if kv_sharing_target_layer_name is not None:
-            raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
-        if is_quantized_kv_cache(kv_cache_dtype):
-            raise refuse(f"a quantized KV cache (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
-        if extra_impl_args.get("sinks") is not None:
-            raise refuse("attention sinks")
-        extra = sorted(name for name, value in extra_impl_args.items() if value not in (None, False))
-        if extra:
-            raise refuse(f"the extra attention arguments {', '.join(extra)}")
+        refuse_impl_args(
+            self.identity,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            kv_cache_dtype,
+            extra_impl_args,
+            "attention",
+        )
         head_dims = self.identity.capabilities.head_dims
         if head_dims and head_size not in head_dims:
             raise refuse(f"head size {head_size} (it supports {', '.join(map(str, head_dims))})")
@@ -474,6 +468,41 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
                 f"set VLLM_KV_CACHE_LAYOUT={KV_LAYOUT.name} or pair it with backends that accept {KV_LAYOUT.name}",
             ) from None
         return flat[..., :dim], flat[..., dim:], kv_cache
+
+
+def refuse_impl_args(
+    identity: _Identity,
+    alibi_slopes: object,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    attn_type: str,
+    kv_sharing_target_layer_name: str | None,
+    kv_cache_dtype: str,
+    extra_impl_args: dict[str, Any],
+    kind: str,
+) -> None:
+    """What vLLM may ask of an impl (dense or MLA) and the attnhost contract cannot express, refused by name when
+    vLLM builds the layer. ``kind`` names the attention in the messages ("attention", "MLA")."""
+    refuse = identity.refuse
+    if alibi_slopes is not None:
+        raise refuse("ALiBi position biases")
+    if sliding_window is not None:
+        raise refuse(f"sliding-window {kind} (window {sliding_window})")
+    if logits_soft_cap:
+        raise refuse(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
+    if attn_type != AttentionType.DECODER:
+        raise refuse(f"{AttentionType(attn_type).value} attention (it computes causal decoder self-attention)")
+    if kv_sharing_target_layer_name is not None:
+        raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
+    if is_quantized_kv_cache(kv_cache_dtype):
+        cache = "KV cache" if kind == "attention" else f"{kind} cache"
+        raise refuse(f"a quantized {cache} (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
+    if extra_impl_args.get("sinks") is not None:
+        raise refuse("attention sinks")
+    # "is not": a tensor argument compares equal to False when it is all zeros, and must still be refused
+    extra = sorted(name for name, value in extra_impl_args.items() if value is not None and value is not False)
+    if extra:
+        raise refuse(f"the extra {kind} arguments {', '.join(extra)}")
 
 
 def _slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

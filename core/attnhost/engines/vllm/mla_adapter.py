@@ -42,7 +42,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonMetadata,
     MLACommonPrefillMetadata,
 )
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata, MLAAttentionImpl
+from vllm.v1.attention.backend import CommonAttentionMetadata, MLAAttentionImpl
 from vllm.v1.kv_cache_interface import (
     KVCacheLayout,
     KVQuantMode,
@@ -61,6 +61,7 @@ from attnhost.engines.vllm.adapter import (
     dtype_name,
     make_identity,
     named_class,
+    refuse_impl_args,
     supported_dtypes,
 )
 from attnhost.forward_batch import ForwardBatch
@@ -260,23 +261,19 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         refuse = self.identity.refuse
         if not self.identity.capabilities.mla:
             raise refuse("MLA models (multi-head latent attention): it does not declare BackendCapabilities.mla")
-        if alibi_slopes is not None:
-            raise refuse("ALiBi position biases")
-        if sliding_window is not None:
-            raise refuse(f"sliding-window MLA (window {sliding_window})")
-        if logits_soft_cap:
-            raise refuse(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
-        if attn_type != AttentionType.DECODER:
-            raise refuse(f"{AttentionType(attn_type).value} attention (it computes causal decoder self-attention)")
-        if kv_sharing_target_layer_name is not None:
-            raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
-        if is_quantized_kv_cache(kv_cache_dtype):
-            raise refuse(f"a quantized MLA cache (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
         if indexer is not None:
             raise refuse("DeepSeek sparse attention (an MLA layer with a top-k indexer)")
-        extra = sorted(name for name, value in extra_impl_args.items() if value is not None and value is not False)
-        if extra:
-            raise refuse(f"the extra MLA arguments {', '.join(extra)}")
+        refuse_impl_args(
+            self.identity,
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            kv_cache_dtype,
+            extra_impl_args,
+            "MLA",
+        )
         if num_kv_heads != 1 or head_size != kv_lora_rank + qk_rope_head_dim:
             raise refuse(
                 f"an MLA layer with {num_kv_heads} KV heads of size {head_size} (vLLM's latent cache has one of "

@@ -10,8 +10,10 @@ failure. Importing this module imports SGLang (install the shim first).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import unittest
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -21,7 +23,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
     run_dense_attention_case,
 )
 
-__all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "run_case"]
+__all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "failure_named", "run_case"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,25 +46,31 @@ def dense_cases(backend: str) -> list[Any]:
 _GREATEST = re.compile(r"Greatest absolute difference: (\S+) at index (\([^)]*\)) \(up to (\S+) allowed\)")
 
 
-def run_case(case: Any, dtype: torch.dtype) -> None:
-    """One case of SGLang's kit, as the kit runs it; a numeric failure leads with the backend, case and error size.
+@contextlib.contextmanager
+def failure_named(lead: str) -> Iterator[None]:
+    """Run one of SGLang's kit cases; a numeric failure's first line becomes ``lead``, then the error size.
 
     torch's ``assert_close`` message starts with "Tensor-likes are not close!",
     which names neither the backend nor the case; its figures are kept below.
     """
-    with torch.no_grad():
-        try:
-            run_dense_attention_case(KitCase(), case, device="cpu", dtype=dtype)
-        except AssertionError as error:
-            found = _GREATEST.search(str(error))
-            if found is None:
-                raise
-            size, where, allowed = found.groups()
-            dtype_name = str(dtype).removeprefix("torch.")
-            raise AssertionError(
-                f"backend {case.backend!r}, SGLang dense case {case.name!r} ({dtype_name}): max abs error {size} "
-                f"at {where} exceeds SGLang's tolerance ({allowed})\n{error}"
-            ) from None
+    try:
+        yield
+    except AssertionError as error:
+        found = _GREATEST.search(str(error))
+        if found is None:
+            raise
+        size, where, allowed = found.groups()
+        raise AssertionError(
+            f"{lead}: max abs error {size} at {where} exceeds SGLang's tolerance ({allowed})\n{error}"
+        ) from None
+
+
+def run_case(case: Any, dtype: torch.dtype) -> None:
+    """One case of SGLang's kit, as the kit runs it; a numeric failure leads with the backend, case and error size."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    lead = f"backend {case.backend!r}, SGLang dense case {case.name!r} ({dtype_name})"
+    with torch.no_grad(), failure_named(lead):
+        run_dense_attention_case(KitCase(), case, device="cpu", dtype=dtype)
 
 
 def build_fixture(case: Any, dtype: torch.dtype = torch.float32) -> Any:

@@ -22,7 +22,7 @@ from sglang.test.kits.attention_unittest.attention_methods.mla_attention import 
     run_mla_attention_case,
 )
 
-from attnhost_sglang_cpu.dense import _GREATEST, KitCase
+from attnhost_sglang_cpu.dense import KitCase, failure_named
 
 __all__ = ["ROPE_DIMS", "build_mla_fixture", "mla_cases", "run_mla_case"]
 
@@ -38,19 +38,10 @@ def mla_cases(backend: str) -> list[Any]:
 def run_mla_case(case: Any, dtype: torch.dtype, qk_rope_head_dim: int) -> None:
     """One case of SGLang's MLA kit, as the kit runs it; a numeric failure leads with the backend, case, dtype,
     latent shape and error size (torch's own message names none of them)."""
-    with torch.no_grad():
-        try:
-            run_mla_attention_case(KitCase(), case, device="cpu", dtype=dtype, qk_rope_head_dim=qk_rope_head_dim)
-        except AssertionError as error:
-            found = _GREATEST.search(str(error))
-            if found is None:
-                raise
-            size, where, allowed = found.groups()
-            dtype_name = str(dtype).removeprefix("torch.")
-            raise AssertionError(
-                f"backend {case.backend!r}, SGLang MLA case {case.name!r} ({dtype_name}, rope {qk_rope_head_dim}): "
-                f"max abs error {size} at {where} exceeds SGLang's tolerance ({allowed})\n{error}"
-            ) from None
+    dtype_name = str(dtype).removeprefix("torch.")
+    lead = f"backend {case.backend!r}, SGLang MLA case {case.name!r} ({dtype_name}, rope {qk_rope_head_dim})"
+    with torch.no_grad(), failure_named(lead):
+        run_mla_attention_case(KitCase(), case, device="cpu", dtype=dtype, qk_rope_head_dim=qk_rope_head_dim)
 
 
 def build_mla_fixture(case: Any, dtype: torch.dtype = torch.float32, qk_rope_head_dim: int = 16) -> Any:
