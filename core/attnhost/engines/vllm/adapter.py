@@ -277,6 +277,17 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = identity.attnhost_name
         return backend
 
+    def _query_lens(self, m: CommonAttentionMetadata) -> tuple[list[int], list[int]]:
+        """The batch's query starts and each real request's query length: rows past the last real request may be
+        padding (no query tokens) and are dropped; an empty request between others is refused."""
+        starts: list[int] = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+        query_lens = [end - start for start, end in itertools.pairwise(starts)]
+        while query_lens and query_lens[-1] == 0:
+            query_lens.pop()
+        if 0 in query_lens:
+            raise self.identity.refuse("batches with an empty request between others (padded requests)")
+        return starts, query_lens
+
     def build(
         self,
         common_prefix_len: int,
@@ -285,17 +296,10 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
     ) -> AttnhostVLLMMetadata:
         m = common_attn_metadata
         self._check_batch(m)
-        num_reqs = m.num_reqs
-        starts = m.query_start_loc_cpu[: num_reqs + 1].tolist()
-        query_lens = [end - start for start, end in itertools.pairwise(starts)]
-        # Rows past the last real request may be padding (no query tokens): drop them.
-        while query_lens and query_lens[-1] == 0:
-            query_lens.pop()
+        starts, query_lens = self._query_lens(m)
         num_reqs = len(query_lens)
         if num_reqs == 0:
             return AttnhostVLLMMetadata(None, None, self.attnhost_backend, 0)
-        if 0 in query_lens:
-            raise self.identity.refuse("batches with an empty request between others (padded requests)")
         seq_lens = m.seq_lens[:num_reqs]
         seq_cpu = tuple(seq_lens.tolist())
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))

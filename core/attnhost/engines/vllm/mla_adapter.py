@@ -31,7 +31,6 @@ planned last (the contract's rule, SGLang's), so each form gets its own instance
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -157,10 +156,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
     ) -> AttnhostVLLMMLAMetadata:
         m = common_attn_metadata
         self._check_batch(m)
-        starts = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
-        query_lens = [end - start for start, end in itertools.pairwise(starts)]
-        while query_lens and query_lens[-1] == 0:  # padding requests past the last real one
-            query_lens.pop()
+        starts, query_lens = self._query_lens(m)
         num_reqs = len(query_lens)
         if num_reqs == 0:
             return AttnhostVLLMMLAMetadata(
@@ -168,8 +164,6 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
                 query_start_loc=m.query_start_loc[:1], slot_mapping=m.slot_mapping[:0],
                 num_decodes=0, num_decode_tokens=0, num_prefills=0,
             )  # fmt: skip
-        if 0 in query_lens:
-            raise self.identity.refuse("batches with an empty request between others (padded requests)")
         seq_lens = m.seq_lens[:num_reqs]
         seq_cpu = tuple(seq_lens.tolist())
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))

@@ -56,7 +56,7 @@ def allocate(
     return caches
 
 
-__all__ = ["BATCHES_DECODE", "PAD_SLOT", "Case", "Request", "allocate", "make_case"]
+__all__ = ["BATCHES_DECODE", "PAD_SLOT", "Case", "Request", "allocate", "layer_caches", "make_case"]
 
 
 @dataclass
@@ -138,6 +138,28 @@ class Case:
         return entry[:, :d], entry[:, d:]
 
 
+def layer_caches(
+    spec: FullAttentionSpec,
+    requests: Sequence[tuple[int, int]],
+    num_layers: int,
+    layout: KVCacheLayout,
+    shuffle: random.Random | None,
+    gen: torch.Generator,
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The free blocks for ``requests`` (block 0 is vLLM's null block; shuffled as a long-running server's are, when
+    ``shuffle`` is given) and one cache per layer from vLLM's own allocation, filled with stale data everywhere."""
+    num_blocks = sum(-(-(p + q) // spec.block_size) for p, q in requests) + 3
+    free = list(range(1, num_blocks))
+    if shuffle is not None:
+        shuffle.shuffle(free)
+    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    by_name = allocate(spec, layer_names, num_blocks, layout)
+    caches = [by_name[name] for name in layer_names]
+    for cache in caches:
+        cache.normal_(generator=gen)  # stale data everywhere a request does not own
+    return free, caches
+
+
 def make_case(
     requests: list[tuple[int, int]],
     *,
@@ -158,16 +180,7 @@ def make_case(
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
-    needed = sum(-(-(p + q) // block_size) for p, q in requests)
-    num_blocks = needed + 3
-    free = list(range(1, num_blocks))  # block 0 is vLLM's null block
-    if shuffle_blocks:
-        rng.shuffle(free)
-    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    caches_by_name = allocate(spec, layer_names, num_blocks, layout)
-    caches = [caches_by_name[name] for name in layer_names]
-    for cache in caches:
-        cache.normal_(generator=gen)  # stale data everywhere a request does not own
+    free, caches = layer_caches(spec, requests, num_layers, layout, rng if shuffle_blocks else None, gen)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float64)

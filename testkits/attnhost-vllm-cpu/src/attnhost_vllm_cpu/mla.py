@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec
 from attnhost.mla import MLAConfig
 from attnhost.testing.reference import reference_request_attention
 from attnhost_vllm_cpu.forward import ATOL
-from attnhost_vllm_cpu.kit import _metadata, allocate
+from attnhost_vllm_cpu.kit import _metadata, layer_caches
 
 __all__ = [
     "MLA_ATOL",
@@ -194,15 +194,7 @@ def make_mla_case(
     gen = torch.Generator().manual_seed(seed)
     width = mla.latent_dim
     spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=width, dtype=dtype)
-    num_blocks = sum(-(-(p + q) // block_size) for p, q in requests) + 3
-    free = list(range(1, num_blocks))  # block 0 is vLLM's null block
-    if shuffle_blocks:
-        rng.shuffle(free)
-    layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
-    by_name = allocate(spec, layer_names, num_blocks, layout)
-    caches = [by_name[name] for name in layer_names]
-    for cache in caches:
-        cache.normal_(generator=gen)  # stale data everywhere a request does not own
+    free, caches = layer_caches(spec, requests, num_layers, layout, rng if shuffle_blocks else None, gen)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
