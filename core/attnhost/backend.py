@@ -21,9 +21,25 @@ if TYPE_CHECKING:
 
     from attnhost.forward_batch import ForwardBatch
 
-__all__ = ["AttentionBackend", "AttentionLayer", "AttentionRunner", "BackendCapabilities", "KVCache", "build_backend"]
+__all__ = [
+    "VARIANT_FEATURES",
+    "AttentionBackend",
+    "AttentionLayer",
+    "AttentionRunner",
+    "BackendCapabilities",
+    "KVCache",
+    "build_backend",
+]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+VARIANT_FEATURES: tuple[str, ...] = ("sliding_window", "logit_cap", "sinks", "non_causal")
+"""The attention variants a layer may need and a backend may declare (``BackendCapabilities`` flags of those names)."""
+_FEATURE_WORDS = {
+    "sliding_window": "sliding-window attention",
+    "logit_cap": "logit soft-capping",
+    "sinks": "attention sinks",
+    "non_causal": "non-causal (bidirectional) attention",
+}
 
 
 class AttentionRunner(_OnDevice, Protocol):
@@ -39,8 +55,8 @@ class AttentionRunner(_OnDevice, Protocol):
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
     """What a backend declares it supports (fields: README's plugin guide), so engines refuse the rest before they
-    build or capture anything. What the contract itself lacks (sliding window, logit cap, ALiBi, sinks,
-    cross-attention) is refused for every backend rather than declared here."""
+    build or capture anything. What the contract itself lacks (ALiBi, cross-attention, logit caps other than tanh)
+    is refused for every backend rather than declared here."""
 
     dtypes: tuple[str, ...] = FLOAT_DTYPES
     head_dims: tuple[int, ...] = ()
@@ -56,9 +72,20 @@ class BackendCapabilities:
     mla: bool = False
     """Serves multi-head latent attention (DeepSeek, Kimi): ``forward_mla_mha`` and ``forward_mla_mqa`` over a
     latent KV cache (docs/mla.md). Without it an MLA model is refused when its runner is built, never on a batch."""
+    sliding_window: bool = False
+    """Honours ``AttentionLayer.sliding_window_size`` (Gemma 2/3, gpt-oss, Mistral): a query sees only the keys at
+    most that many positions before its own (docs/variants.md)."""
+    logit_cap: bool = False
+    """Honours ``AttentionLayer.logit_cap``: scores become ``cap * tanh(score / cap)`` before the softmax (Gemma 2)."""
+    sinks: bool = False
+    """Honours attention sinks (gpt-oss): layers with ``has_sinks`` are called with ``sinks=`` (a ``[num_heads]``
+    logit per query head in the softmax's denominator), which its forward methods then accept."""
+    non_causal: bool = False
+    """Honours ``AttentionLayer.is_causal=False`` (DFlash drafts, bidirectional spans): a request's new tokens see
+    each other in both directions."""
 
     def __post_init__(self) -> None:
-        for flag in ("cuda_graph", "flat_heads", "tree_mask", "mla"):
+        for flag in ("cuda_graph", "flat_heads", "tree_mask", "mla", *VARIANT_FEATURES):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BackendCapabilities.{flag} must be True or False, got {getattr(self, flag)!r}")
         dtypes, head_dims = self.dtypes, self.head_dims
@@ -81,6 +108,14 @@ class BackendCapabilities:
             return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
         return None
 
+    def layer_refusal(self, layer: AttentionLayer) -> str | None:
+        """The first attention variant of ``layer`` (:attr:`AttentionLayer.variant_features`) this backend does not
+        declare, worded for an error (``"sliding-window attention (sliding_window_size=4095)"``), or ``None``."""
+        for feature in layer.variant_features:
+            if not getattr(self, feature):
+                return f"{_FEATURE_WORDS[feature]} ({layer.variant_text(feature)}; it does not declare {feature})"
+        return None
+
 
 def capabilities_of(factory: object) -> BackendCapabilities:
     """The capabilities a loaded factory declares (a class attribute), else the conservative default."""
@@ -94,7 +129,14 @@ class AttentionLayer:
     ``1/sqrt(head_dim)`` (an MLA layer's: ``mla.default_scaling``), and consecutive groups of query heads share a KV
     head (GQA, MQA). ``head_dim`` is the QK head dim; ``v_head_dim`` (``<= 0``: ``head_dim``) differs from it only in
     MLA layers, which carry their model's ``mla`` facts and the ``mla_form`` they are called in
-    (:meth:`for_mla` builds them)."""
+    (:meth:`for_mla` builds them).
+
+    The attention variants (exact semantics: docs/variants.md), each of which a backend must declare in
+    :class:`BackendCapabilities` before an engine lets a layer that needs it reach it, keep SGLang's
+    ``RadixAttention`` names: ``sliding_window_size`` (``-1``: none) is the window's *left* extent, so a query at
+    position ``p`` sees keys at positions ``p - sliding_window_size .. p`` — HF's and vLLM's ``sliding_window``
+    minus one; ``logit_cap`` (``0``: none) caps scores as ``cap * tanh(score / cap)``; ``has_sinks`` says the layer
+    is called with ``sinks=``; ``is_causal=False`` lets a request's new tokens see each other both ways."""
 
     layer_id: int
     num_heads: int
@@ -104,10 +146,15 @@ class AttentionLayer:
     v_head_dim: int = -1
     mla: MLAConfig | None = None
     mla_form: MLAForm | None = None
+    sliding_window_size: int = -1
+    logit_cap: float = 0.0
+    has_sinks: bool = False
+    is_causal: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"layer {self.layer_id}: head counts and head_dim must be positive")
+        self._check_variant()
         if self.v_head_dim <= 0:
             object.__setattr__(self, "v_head_dim", self.head_dim)
         if (self.mla is None) != (self.mla_form is None):
@@ -133,6 +180,41 @@ class AttentionLayer:
         if self.scaling <= 0:
             default = self.mla.default_scaling if self.mla is not None else 1.0 / math.sqrt(self.head_dim)
             object.__setattr__(self, "scaling", default)
+
+    def _check_variant(self) -> None:
+        window = self.sliding_window_size
+        if isinstance(window, bool) or not isinstance(window, int) or window < -1:
+            raise ValueError(
+                f"layer {self.layer_id}: sliding_window_size must be an integer >= 0 (keys a query sees before its "
+                f"own position) or -1 (no window), got {window!r}; from HF's or vLLM's sliding_window W pass W - 1"
+            )
+        cap = self.logit_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
+            raise ValueError(f"layer {self.layer_id}: logit_cap must be a finite number >= 0 (0: none), got {cap!r}")
+        object.__setattr__(self, "logit_cap", float(cap))
+        for flag in ("has_sinks", "is_causal"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"layer {self.layer_id}: {flag} must be True or False, got {getattr(self, flag)!r}")
+        if self.mla is not None and self.variant_features:
+            raise ValueError(
+                f"layer {self.layer_id}: an MLA layer with {', '.join(self.variant_features)}; the contract's MLA "
+                "forms (docs/mla.md) are plain causal attention"
+            )
+
+    @property
+    def variant_features(self) -> tuple[str, ...]:
+        """The attention variants (:data:`VARIANT_FEATURES`) this layer needs, in that order; ``()``: plain causal."""
+        needs = (self.sliding_window_size >= 0, self.logit_cap > 0, self.has_sinks, not self.is_causal)
+        return tuple(feature for feature, needed in zip(VARIANT_FEATURES, needs, strict=True) if needed)
+
+    def variant_text(self, feature: str) -> str:
+        """How this layer sets one variant, for messages: ``"sliding_window_size=4095"``."""
+        return {
+            "sliding_window": f"sliding_window_size={self.sliding_window_size}",
+            "logit_cap": f"logit_cap={self.logit_cap:g}",
+            "sinks": "has_sinks=True",
+            "non_causal": "is_causal=False",
+        }[feature]
 
     @classmethod
     def for_mla(
@@ -164,11 +246,16 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        """Attention for new tokens that attend to a cached prefix and causally to each other."""
+        """Attention for new tokens that attend to a cached prefix and causally to each other (or as the layer's
+        variants say: docs/variants.md). A backend that declares ``capabilities.sinks`` also accepts a keyword
+        ``sinks`` (``[num_heads]``), passed for the layers with ``has_sinks`` and only for them."""
 
     def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         """One new token per request: a case of extend, so ``forward_extend`` unless a decode kernel is faster."""
+        if sinks is not None:
+            return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)  # type: ignore[call-arg]
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
@@ -190,8 +277,9 @@ class AttentionBackend(abc.ABC):
 
     def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True, *, q_rope: Tensor | None = None,
-                k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
-        """Route by the layer's MLA form, then by mode: IDLE, DECODE, everything else (extend)."""
+                k_rope: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Route by the layer's MLA form, then by mode: IDLE, DECODE, everything else (extend); ``sinks`` goes on
+        to the mode's method only when given (a backend without ``capabilities.sinks`` never takes it)."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
@@ -206,6 +294,10 @@ class AttentionBackend(abc.ABC):
                 f"layer {layer.layer_id} is a dense layer: it takes k and v and no q_rope/k_rope (those belong to "
                 "MLA layers in the absorbed form: build the layer with AttentionLayer.for_mla())"
             )
+        if sinks is not None:
+            if mode is ForwardMode.DECODE:
+                return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)
+            return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)  # type: ignore[call-arg]
         if mode is ForwardMode.DECODE:
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)

@@ -1,8 +1,9 @@
 """The trusted attention every backend is compared against.
 
 Deliberately naive: float64, an explicit loop over requests, KV heads
-repeated by hand, the causal (or speculative tree) mask written out, softmax
-by definition.  It
+repeated by hand, the causal (or speculative tree) mask written out with
+the layer's window from positions, the soft-cap and the sinks applied by
+their definitions (docs/variants.md), softmax by definition.  It
 shares no code path with any backend (no SDPA), so agreement means something.
 It reads keys and values from the KV cache, exactly as a backend must, so the
 cache has to hold the new tokens' K/V before it is called.
@@ -27,8 +28,10 @@ def reference_attention(
     *,
     k_buffer: torch.Tensor | None = None,
     v_buffer: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output ``[num_new_tokens, num_heads, head_dim]`` in float64.
+    """Attention output ``[num_new_tokens, num_heads, head_dim]`` in float64, with the layer's variants
+    (``sinks``: the ``[num_heads]`` logits a layer with ``has_sinks`` is called with).
 
     ``q`` holds the batch's new tokens in request order.  Keys and values come
     from ``forward_batch.kv_pool`` for ``layer.layer_id`` unless ``k_buffer`` /
@@ -55,6 +58,10 @@ def reference_attention(
                 prefix_len=forward_batch.prefix_lens_cpu[i],
                 scaling=layer.scaling,
                 tree=None if trees is None else trees[i],
+                sliding_window_size=layer.sliding_window_size,
+                logit_cap=layer.logit_cap,
+                sinks=sinks,
+                causal=layer.is_causal,
             )
         )
     return torch.cat(outputs)
@@ -68,33 +75,62 @@ def reference_request_attention(
     prefix_len: int,
     scaling: float,
     tree: torch.Tensor | None = None,
+    sliding_window_size: int = -1,
+    logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """One request: ``q`` ``[new, heads, dim]`` over ``k``/``v`` ``[prefix + new, kv_heads, dim]``.
 
     Query head ``h`` uses KV head ``h // (heads // kv_heads)``, SGLang's GQA
     grouping; query ``i`` sees key ``j`` iff ``j <= prefix_len + i``, or, given
     ``tree`` (``[new, new]`` bool, a speculative tree), iff ``j < prefix_len``
-    or ``tree[i, j - prefix_len]``. A query that sees no key at all (a tree
-    row all False with no prefix) gets zeros.
+    or ``tree[i, j - prefix_len]``; with ``causal=False`` it sees every key.
+    With a window it sees, of those, the keys whose position is at most
+    ``sliding_window_size`` before its own: key ``j``'s position is ``j``,
+    except a tree's new token's, which is ``prefix_len`` plus its depth (its
+    ancestors in the tree). ``logit_cap > 0`` maps each score ``s`` to
+    ``logit_cap * tanh(s / logit_cap)``; ``sinks`` adds ``exp(sinks[h])`` to
+    head ``h``'s softmax denominator. A query that sees no key at all gets zeros.
     """
     num_new, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     if seq_len != prefix_len + num_new:
         raise ValueError(f"reference: {seq_len} keys for prefix {prefix_len} + {num_new} new tokens")
+    if tree is not None and not causal:
+        raise ValueError("reference: a speculative tree over a non-causal layer has no meaning")
     group = num_heads // num_kv_heads
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64).repeat_interleave(group, dim=1)  # [seq, heads, dim]
     v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * scaling
+    if logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    positions = torch.arange(seq_len)
     if tree is None:
-        visible = causal_mask(num_new, seq_len, prefix_len)
+        visible = (
+            causal_mask(num_new, seq_len, prefix_len) if causal else torch.ones(num_new, seq_len, dtype=torch.bool)
+        )
     else:
         if tuple(tree.shape) != (num_new, num_new):
             raise ValueError(f"reference: a tree mask of shape {tuple(tree.shape)} for {num_new} new tokens")
-        visible = torch.cat([torch.ones((num_new, prefix_len), dtype=torch.bool), tree.to("cpu", torch.bool)], 1)
+        tree = tree.to("cpu", torch.bool)
+        visible = torch.cat([torch.ones((num_new, prefix_len), dtype=torch.bool), tree], 1)
+        depth = tree.sum(dim=1) - tree.diagonal().to(torch.int64)  # the ancestors each new token sees
+        positions = torch.cat([positions[:prefix_len], prefix_len + depth])
+    if sliding_window_size >= 0:
+        query_positions = positions[prefix_len:].unsqueeze(1)
+        visible = visible & (query_positions - positions.unsqueeze(0) <= sliding_window_size)
     scores = scores.masked_fill(~visible, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    peak = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        sink = sinks.to("cpu", torch.float64).view(num_heads, 1, 1).expand(num_heads, num_new, 1)
+        peak = torch.maximum(peak, sink)
+    weights = torch.exp(scores - peak)
+    denominator = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denominator = denominator + torch.exp(sink - peak)
+    weights = weights / denominator
     # A query that sees no key (a tree row all False, no prefix) gets zeros, as the contract says: its softmax
     # above is 0/0, so its weights are set, not computed.
     weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
