@@ -372,6 +372,17 @@ KIT_TESTS = (
     "test_mla_flat_heads",
     "test_mla_mha_form",
     "test_mla_idle_batch",
+    # attention variants (attnhost.testing.variant_conformance): skipped unless the backend declares them
+    "test_variant_sliding_window",
+    "test_variant_sliding_window_at_the_edge",
+    "test_variant_sliding_window_draft",
+    "test_variant_sliding_window_tree_deeper_than_the_window",
+    "test_variant_logit_cap",
+    "test_variant_sinks",
+    "test_variant_non_causal",
+    "test_variant_window_and_cap",
+    "test_variant_window_and_sinks",
+    "test_variant_window_and_non_causal",
 )
 FLOAT32_NUMERICS = {
     "test_extend_without_prefix",
@@ -492,6 +503,7 @@ def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str
     # capabilities it does not declare
     skipped = {"test_flat_heads_layout", "test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}
     skipped |= {name for name in KIT_TESTS if name.startswith("test_mla_")} - {"test_mla_refused_unless_declared"}
+    skipped |= {name for name in KIT_TESTS if name.startswith("test_variant_")}
     assert {name for name, outcome in results.items() if outcome.status != "passed"} == skipped
     assert {results[name].status for name in skipped} == {"skipped"}
 
@@ -514,7 +526,7 @@ def test_kit_holds_a_backend_to_the_flat_heads_it_declares(kit_results: dict[tup
     assert outcomes(kit_results, "TestCorrect")["test_flat_heads_layout"].status == "skipped"
     keeps = outcomes(kit_results, "TestFlatHeads")
     undeclared = {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}  # not declared: skipped
-    undeclared |= {n for n in KIT_TESTS if n.startswith("test_mla_")}
+    undeclared |= {n for n in KIT_TESTS if n.startswith(("test_mla_", "test_variant_"))}
     assert {o.status for name, o in keeps.items() if name not in undeclared} == {"passed"}
     liar = outcomes(kit_results, "TestFlatLiar")
     assert failed(liar) == {"test_flat_heads_layout"}

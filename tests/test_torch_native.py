@@ -146,7 +146,7 @@ def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chun
     for step in range(2):  # the second step reads slots that are no longer one run
         decode = [(r, n + step, 1) for r, n in zip(reqs, lens, strict=True)]
         out, q, batch = run(backend, pool, ForwardMode.DECODE, decode, layer)
-        chunks, _ = backend._plan.chunks[2, row_bytes, True]  # type: ignore[union-attr]
+        chunks, _ = backend._plan.chunks[2, row_bytes, True, -1]  # type: ignore[union-attr]
         expected_chunks = {1 << 16: 1, 64: None, 1: len(lens)}[chunk_rows]
         assert expected_chunks is None or len(chunks) == expected_chunks
         assert sum(chunk.count for chunk in chunks) == len(lens)
@@ -209,7 +209,7 @@ def test_decode_gathers_lone_requests_head_major(
     plan = backend._plan
     assert plan is not None
     head_major = threads > 1 and not sliced
-    chunks, _ = plan.chunks[2, 2 * HEAD_DIM * 4, head_major]
+    chunks, _ = plan.chunks[2, 2 * HEAD_DIM * 4, head_major, -1]
     assert [chunk.head_major for chunk in chunks] == [head_major] * len(lens)
     assert max_error(out, q, layer, plan.batch) < F32_TOL
 

@@ -30,17 +30,39 @@ class HybridAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self._by_mode[forward_batch.forward_mode].init_forward_metadata(forward_batch)
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
-        # The sub-backend's forward() picks its decode or extend method, so this serves both (forward_decode too).
-        return self._by_mode[forward_batch.forward_mode].forward(q, k, v, layer, forward_batch, save_kv_cache)
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        *,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        # The sub-backend's forward() picks its decode or extend method, so this serves both (forward_decode too);
+        # sinks go on only when given, as forward() passes them.
+        backend = self._by_mode[forward_batch.forward_mode]
+        if sinks is not None:
+            return backend.forward(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)
+        return backend.forward(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+    def forward_mla_mha(
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> Tensor:
         return self._by_mode[forward_batch.forward_mode].forward_mla_mha(q, k, v, layer, forward_batch)
 
-    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
-                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
-                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_mla_mqa(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        q_rope: Tensor | None = None,
+        k_rope: Tensor | None = None,
+    ) -> Tensor:
         backend = self._by_mode[forward_batch.forward_mode]
         return backend.forward_mla_mqa(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)

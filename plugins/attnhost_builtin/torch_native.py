@@ -33,6 +33,11 @@ row that is all False in a request without a prefix leaves its query no key;
 the contract gives it zeros, which SDPA does not promise for a row that may
 attend nowhere (older releases gave NaN), so the plan finds those rows once
 and the layers zero them.
+
+Layers with an attention variant (docs/variants.md: a sliding window, a
+soft-cap, sinks, non-causal) are planned the same way, once per batch, in
+``torch_native_variants.py``; decode keeps its chunks, each request's row
+cut to the window. Plain layers take exactly the path above.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
-from attnhost_builtin import torch_native_mla
+from attnhost_builtin import torch_native_mla, torch_native_variants
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -86,6 +91,9 @@ class _RequestPlan:
     masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # by GQA group size
     recipes: dict[int, tuple[bool, bool, torch.Tensor | None]] = field(default_factory=dict)
     """(folds, is_causal, mask) by GQA group size: decided on the first layer, reused by the rest."""
+    variants: dict[tuple[int, bool, int, int], torch_native_variants.Recipe] = field(default_factory=dict)
+    """How layers with an attention variant attend this request (torch_native_variants.py), by
+    (window, causal, query heads, GQA group): decided on the first such layer, reused by the rest."""
 
     def keys(self, buffer: torch.Tensor, rows: torch.Tensor | None, scratch: torch.Tensor | None) -> torch.Tensor:
         """This request's ``[seq_len, kv_heads, dim]`` rows of a cache buffer (``rows``: its ``_head_rows``).
@@ -194,9 +202,12 @@ class _BatchPlan:
     request between threads; on one thread the token-major gather's longer row copies are cheaper."""
     scratch: dict[tuple[int, torch.dtype, torch.device, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)
     """Gather targets for fragmented requests, by (K or V, dtype, device, row shape)."""
-    chunks: dict[tuple[int, int, bool], tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
+    chunks: dict[tuple[int, int, bool, int], tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
     """Decode chunks and their largest slot count, by (kv heads, bytes of one cache row, whether the cache
-    has head-major rows)."""
+    has head-major rows, sliding window or -1)."""
+    variant_masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    """The masks of variant layers' query blocks (torch_native_variants.py), shared by every block and request
+    whose visibility pattern is the same (the band of a sliding window repeats along a long prompt)."""
 
     def gather_scratch(self, buffer: torch.Tensor, role: int, rows: int | None = None) -> torch.Tensor | None:
         """A tensor of at least ``rows`` rows (default: the longest fragmented request's), or None for none."""
@@ -209,18 +220,19 @@ class _BatchPlan:
             scratch = self.scratch[key] = buffer.new_empty((rows, *buffer.shape[1:]))
         return scratch
 
-    def decode_chunks(self, buffer: torch.Tensor, head_major: bool) -> tuple[list[_DecodeChunk], int]:
-        """This decode batch in chunks sized for ``buffer``'s rows, and the slots of the largest chunk.
+    def decode_chunks(self, buffer: torch.Tensor, head_major: bool, window: int = -1) -> tuple[list[_DecodeChunk], int]:
+        """This decode batch in chunks sized for ``buffer``'s rows, and the slots of the largest chunk; with a
+        sliding ``window`` each request's chunk row holds only the last ``window + 1`` slots, all its query sees.
 
-        Layers with the same row shape share them, so the first layer plans and the rest look up.
+        Layers with the same row shape and window share them, so the first layer plans and the rest look up.
         """
         _, heads, dim = buffer.shape
-        key = (heads, heads * dim * buffer.element_size(), head_major)
+        key = (heads, heads * dim * buffer.element_size(), head_major, window)
         planned = self.chunks.get(key)
         if planned is None:
             assert self.decode_table is not None
             table, rows = self.decode_table
-            chunks = _decode_chunks(table, rows, self.requests, key[1], heads if head_major else 0)
+            chunks = _decode_chunks(table, rows, self.requests, key[1], heads if head_major else 0, window)
             planned = self.chunks[key] = (chunks, max(chunk.count * chunk.width for chunk in chunks))
         return planned
 
@@ -229,7 +241,15 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
 
     # Every path views q itself anyway, so SGLang's [T, heads * dim] layout costs nothing extra.
-    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True, mla=True)
+    capabilities = BackendCapabilities(
+        flat_heads=True,
+        tree_mask=True,
+        mla=True,
+        sliding_window=True,
+        logit_cap=True,
+        sinks=True,
+        non_causal=True,
+    )
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
@@ -260,7 +280,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._plan = _BatchPlan(forward_batch, plans, None, longest)
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
         if save_kv_cache:
@@ -269,10 +290,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
         flat = q.dim() == 2  # [T, heads * dim] in, the same out (capabilities.flat_heads)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
+        if layer.has_sinks or sinks is not None:
+            torch_native_variants.check_sinks(layer, sinks)
         if plan.decode_table is not None:
-            return _decode(q, k_buffer, v_buffer, plan, layer, flat)
+            return _decode(q, k_buffer, v_buffer, plan, layer, flat, sinks)
         if flat:
             q = q.view(-1, layer.num_heads, layer.head_dim)
+        if layer.sliding_window_size >= 0 or not layer.is_causal or layer.logit_cap > 0.0 or sinks is not None:
+            out = torch_native_variants.attend(plan, q, k_buffer, v_buffer, layer, sinks)
+            return out.view(-1, layer.num_heads * layer.head_dim) if flat else out
         gathers = plan.longest_gather and plan.head_major
         k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if gathers else (None, None)
         if len(plan.requests) == 1:
@@ -365,32 +391,41 @@ def _plan_trees(plans: list[_RequestPlan], tree_mask: torch.Tensor) -> None:
 
 
 def _decode_chunks(
-    table: torch.Tensor, rows: list[int], plans: list[_RequestPlan], row_bytes: int, head_major_heads: int
+    table: torch.Tensor,
+    rows: list[int],
+    plans: list[_RequestPlan],
+    row_bytes: int,
+    head_major_heads: int,
+    window: int = -1,
 ) -> list[_DecodeChunk]:
     """Group a decode batch's requests into chunks of similar length, each gathered and attended at once.
 
     Sorting by length keeps the padding small when lengths differ; a chunk
     closes when its padded K and V rows would pass ``_DECODE_CHUNK_BYTES``.
     Given ``head_major_heads``, a chunk of one request indexes one head's
-    row at a time (see ``_head_rows``).
+    row at a time (see ``_head_rows``). With a sliding ``window`` (``>= 0``)
+    a request's row holds only its last ``window + 1`` slots: the keys its
+    query sees, so a windowed decode reads the window, not the whole cache.
     """
-    order = sorted(range(len(plans)), key=lambda i: plans[i].seq_len)
+    starts = [max(0, plan.seq_len - window - 1) if window >= 0 else 0 for plan in plans]
+    lengths = [plan.seq_len - start for plan, start in zip(plans, starts, strict=True)]
+    order = sorted(range(len(plans)), key=lambda i: lengths[i])
     groups: list[list[int]] = [[]]
     for i in order:
         group = groups[-1]
-        if group and 2 * (len(group) + 1) * plans[i].seq_len * row_bytes > _DECODE_CHUNK_BYTES:
+        if group and 2 * (len(group) + 1) * lengths[i] * row_bytes > _DECODE_CHUNK_BYTES:
             groups.append(group := [])
         group.append(i)
     chunks = []
     for group in groups:
-        width = plans[group[-1]].seq_len
+        width = lengths[group[-1]]
         slots = torch.empty((len(group), width), dtype=torch.int64, device=table.device)
         padding = torch.zeros((len(group), 1, 1, width), dtype=torch.bool, device=table.device)
         for n, i in enumerate(group):
-            seq_len = plans[i].seq_len
-            slots[n, :seq_len] = table[rows[i], :seq_len]
-            slots[n, seq_len:] = slots[n, seq_len - 1]
-            padding[n, ..., seq_len:] = True
+            start, length = starts[i], lengths[i]
+            slots[n, :length] = table[rows[i], start : start + length]
+            slots[n, length:] = slots[n, length - 1]
+            padding[n, ..., length:] = True
         head_major = bool(head_major_heads) and len(group) == 1
         if head_major:
             slots = _head_major(slots, head_major_heads)
@@ -404,7 +439,7 @@ def _decode_chunks(
                 head_major=head_major,
                 count=len(group),
                 width=width,
-                padding=padding if plans[group[0]].seq_len != width else None,
+                padding=padding if lengths[group[0]] != width else None,
             )
         )
     return chunks
@@ -444,22 +479,33 @@ def _gather_head_major(
 
 
 def _decode(
-    q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer, flat: bool
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    plan: _BatchPlan,
+    layer: AttentionLayer,
+    flat: bool,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode: one query per request and every key visible, so a chunk is one gather and one SDPA call.
 
     The queries are viewed GQA-folded (``[requests, kv_heads, q_per_kv,
     dim]``, q's own memory order, from either of its layouts), so SDPA sees
-    a plain multi-head problem whose batch is the chunk's requests.
+    a plain multi-head problem whose batch is the chunk's requests. A window
+    only shortens each request's gathered row (``_decode_chunks``); one query
+    sees its request's every key whether the layer is causal or not; a
+    soft-cap or sinks take the explicit softmax instead of SDPA.
     """
     kv_heads, dim = layer.num_kv_heads, layer.head_dim
     shape = (-1, layer.num_heads * dim) if flat else (-1, layer.num_heads, dim)
     queries = q.view(-1, kv_heads, layer.num_heads // kv_heads, dim)
     k_rows, v_rows = (_head_rows(k_buffer), _head_rows(v_buffer)) if plan.head_major else (None, None)
-    chunks, most = plan.decode_chunks(k_buffer, k_rows is not None and v_rows is not None)
+    chunks, most = plan.decode_chunks(k_buffer, k_rows is not None and v_rows is not None, layer.sliding_window_size)
     k_scratch, v_scratch = plan.gather_scratch(k_buffer, 0, most), plan.gather_scratch(v_buffer, 1, most)
     assert k_scratch is not None and v_scratch is not None
     convert = k_buffer.dtype != q.dtype
+    explicit = layer.logit_cap > 0.0 or sinks is not None
+    sink_rows = None if sinks is None else torch_native_variants.sink_rows(sinks, kv_heads, 1, q.dtype)
     out = None if len(chunks) == 1 and isinstance(chunks[0].rows, slice) else torch.empty_like(queries)
     for chunk in chunks:
         count, width = chunk.count, chunk.width
@@ -476,7 +522,13 @@ def _decode(
         if convert:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
         mine = queries[chunk.rows] if isinstance(chunk.rows, slice) else queries.index_select(0, chunk.rows)
-        o = F.scaled_dot_product_attention(mine, keys, values, attn_mask=chunk.mask(q.dtype), scale=layer.scaling)
+        if explicit:
+            work = torch_native_variants.work_dtype(q.dtype)
+            o = torch_native_variants.explicit_attention(
+                mine, keys, values, chunk.mask(work), layer.scaling, layer.logit_cap, sink_rows
+            )
+        else:
+            o = F.scaled_dot_product_attention(mine, keys, values, attn_mask=chunk.mask(q.dtype), scale=layer.scaling)
         if out is None:
             return o.view(shape)
         if isinstance(chunk.rows, slice):

@@ -74,8 +74,10 @@ from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
+from attnhost.testing.diagnose import diagnose_batch
 from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import reference_attention, tree_mask
+from attnhost.testing.variant_conformance import VariantConformance
 from attnhost.testing.watch import watch_slow
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
@@ -116,6 +118,7 @@ class _LayerRun:
     out: torch.Tensor
     expected_k: torch.Tensor
     expected_v: torch.Tensor
+    sinks: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -151,7 +154,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance(MLAConformance):
+class BackendConformance(MLAConformance, VariantConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     backend_name: ClassVar[str | None] = None
@@ -313,14 +316,17 @@ class BackendConformance(MLAConformance):
         *,
         check: bool = True,
         tree_mask: torch.Tensor | None = None,
+        layers: Sequence[AttentionLayer] | None = None,
     ) -> _Step:
-        """Prepare one batch and run it through every layer; ``check`` compares each output with the reference.
+        """Prepare one batch and run it through every layer (``layers``: these instead of the runner's, e.g. with
+        attention variants); ``check`` compares each output with the reference.
 
         Tests of other properties pass ``check=False``, so a numerical error
         fails the numerics tests only and every failure names one property.
         """
         batch = self._prepare(runner, mode, requests, what, tree_mask)
-        return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in runner.layers])
+        run = runner.layers if layers is None else layers
+        return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in run])
 
     def _extend_twice_then_decode(
         self, runner: ModelRunner, first: tuple[int, int], second: tuple[int, int], label: str
@@ -360,11 +366,14 @@ class BackendConformance(MLAConformance):
         expected_v = pool.v_buffer(layer.layer_id).clone()
         expected_k[batch.out_cache_loc] = k.to(pool.dtype)
         expected_v[batch.out_cache_loc] = v.to(pool.dtype)
+        # sink logits of either sign and large enough to take a visible share of the softmax (docs/variants.md)
+        sinks = self._randn(layer.num_heads, dtype=runner.dtype) * 1.5 + 1.0 if layer.has_sinks else None
         if self._flat_queries:
-            out = self._from_flat(self._call(runner, q.flatten(1), k, v, layer, batch, what), layer, n, what)
+            flat_out = self._call(runner, q.flatten(1), k, v, layer, batch, what, sinks=sinks)
+            out = self._from_flat(flat_out, layer, n, what)
         else:
-            out = self._call(runner, q, k, v, layer, batch, what)
-        run = _LayerRun(layer, q, k, v, out, expected_k, expected_v)
+            out = self._call(runner, q, k, v, layer, batch, what, sinks=sinks)
+        run = _LayerRun(layer, q, k, v, out, expected_k, expected_v, sinks)
         if check:
             self._check_output(what, run, batch)
         return run
@@ -389,10 +398,15 @@ class BackendConformance(MLAConformance):
         batch: ForwardBatch,
         what: str,
         save_kv_cache: bool = True,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         try:
             with torch.no_grad(), runner.forward_context() as backend:
-                out = backend.forward(q, k, v, layer, batch, save_kv_cache)
+                if sinks is None:  # a backend that does not declare sinks never gets the keyword
+                    out = backend.forward(q, k, v, layer, batch, save_kv_cache)
+                else:
+                    out = backend.forward(q, k, v, layer, batch, save_kv_cache, sinks=sinks)
         except Exception as exc:
             raise AssertionError(
                 f"{what}: forward ({batch.forward_mode.name}, layer {layer.layer_id}) raised "
@@ -439,6 +453,7 @@ class BackendConformance(MLAConformance):
             batch,
             k_buffer=run.expected_k if k_buffer is None else k_buffer,
             v_buffer=run.expected_v if v_buffer is None else v_buffer,
+            sinks=run.sinks,
         )
         got = out.detach().to("cpu", torch.float64)
         atol = self._atol(q.dtype)
@@ -450,7 +465,11 @@ class BackendConformance(MLAConformance):
         error = float(diff.max()) if diff.numel() else 0.0
         if not error <= atol:  # a NaN error fails too: a non-finite reference must never pass as agreement
             index = int(diff.flatten().argmax())
-            return f"max abs error {error:.1e} exceeds {atol:.0e} ({self._where(index, layer, batch, q.dtype)})"
+            k_read = run.expected_k if k_buffer is None else k_buffer
+            v_read = run.expected_v if v_buffer is None else v_buffer
+            why = diagnose_batch(out, q, layer, batch, atol, k_buffer=k_read, v_buffer=v_read, sinks=run.sinks)
+            where = self._where(index, layer, batch, q.dtype)
+            return f"max abs error {error:.1e} exceeds {atol:.0e} ({where})" + (f"; {why}" if why else "")
         return None
 
     @staticmethod

@@ -2,23 +2,44 @@
 
 ``torch_native`` loops over requests and calls SDPA per request. This backend
 instead pads the batch into rectangles — queries ``[B, T, ...]`` with
-``T = max new tokens``, keys ``[B, L, ...]`` with ``L = max sequence length``
-— and runs one matmul, one softmax and one matmul for all of it. A single
-boolean mask ``[B, T, L]`` carries both causality (query ``t`` of request
-``b`` sees key ``j`` iff ``j <= prefix_b + t``) and padding (``j < seq_b``);
-in a speculative tree (``forward_batch.tree_mask``) each request's block of
-the tree replaces causality among its new tokens. A tree row that is all
-False in a request without a prefix leaves its query no key at all; the
-contract gives such a query zeros, so the plan finds those rows once and the
-layers zero them (a softmax over no key would be 0/0).
+``T = max new tokens``, keys ``[B, L, ...]`` with ``L`` the longest run of keys
+any request may read — and runs one matmul, one softmax and one matmul for all
+of it. One boolean mask ``[B, T, L]`` carries causality (query ``t`` of
+request ``b`` sees key ``j`` iff ``j <= prefix_b + t``), padding (``j <
+seq_b``) and the layer's variants (docs/variants.md); in a speculative tree
+(``forward_batch.tree_mask``) each request's block of the tree replaces
+causality among its new tokens. A tree row that is all False in a request
+without a prefix (or whose window leaves it nothing) leaves its query no key
+at all; the contract gives such a query zeros, so the plan finds those rows
+once and the layers zero them (a softmax over no key would be 0/0).
 
-Everything that depends only on the batch (gather indices, the mask, where
-each real query sits in the padded layout) is built once in
-``init_forward_metadata``; each layer then does a gather, the three big ops
-and a scatter back. GQA is a broadcast: queries are viewed as
-``[B, kv_heads, group, T, D]`` against keys ``[B, kv_heads, 1, L, D]``, so KV
-heads are never copied per query head. Scores and softmax run in float32
-even for bfloat16 inputs, as fused kernels accumulate.
+The variants, each with its own code here (the point of an example):
+
+* A sliding window of ``w`` (``sliding_window_size``) restricts the key axis
+  itself: request ``b`` reads keys from index ``max(0, prefix_b - w)`` on, as
+  no query of its can see an earlier one, so a decode step gathers ``w + 1``
+  keys however long its sequence. Within that span the mask keeps the keys
+  whose position is at most ``w`` before the query's; in a tree a new token's
+  position is its prefix plus its depth, so the plan computes depths once.
+* ``is_causal=False`` makes every key of a request visible to its new tokens
+  (a window still limits the left side); a tree batch is refused for such a
+  layer, as a tree over a bidirectional layer means nothing.
+* A logit cap ``c`` maps the scores to ``c * tanh(s / c)`` in place, before
+  the mask, with the scaling folded into the one multiply.
+* Sinks add ``exp(sinks[h])`` to head ``h``'s denominator: the softmax is then
+  written out (max, exp, sum), the sink joining the max so nothing overflows.
+
+A batch's layers may differ in window and causality (Gemma 2 alternates
+windowed and global layers), so the key plan is built per layer *kind*: at the
+first layer of each kind in a batch, then looked up by the rest. Everything
+else that depends only on the batch (where each real query sits in the padded
+layout) is built once in ``init_forward_metadata``; each layer then does a
+gather, the three big ops and a gather back. GQA folds a KV head's query
+heads into the query axis: queries ``[kv_heads * B, T * group, D]`` meet keys
+gathered straight into ``[kv_heads * B, L, D]`` in one ``bmm``, so a KV head
+is never copied per query head (a broadcasting ``matmul`` would expand it).
+Scores and softmax run in float32 even for bfloat16 inputs, as fused kernels
+accumulate.
 
 It also serves MLA models (DeepSeek, Kimi; docs/mla.md) on the same plan: the
 kernels of both MLA forms are in :mod:`attnhost_batched.mla`.
@@ -43,55 +64,56 @@ __all__ = ["BatchedMatmulAttnBackend"]
 
 
 @dataclass(frozen=True, slots=True)
+class _Keys:
+    """Which keys the layers of one kind (window, causality) read in this batch, and which of them each query sees."""
+
+    key_slots: torch.Tensor  # [B, L] cache slot of every (request, key column); padding: the request's last
+    blocked: torch.Tensor  # [B, T, L] True where the query may NOT attend to the key (masked to -inf)
+    blind: torch.Tensor | None  # [B, T] True for a query that sees no key (output zeros); None: none does
+
+
+@dataclass(frozen=True, slots=True)
 class _Metadata:
     batch: ForwardBatch
-    key_slots: torch.Tensor  # [B, L] cache slot of every (request, key position); padding points at slot 0
-    blocked: torch.Tensor  # [B, T, L] True where the query may NOT attend to the key (masked to -inf)
     query_valid: torch.Tensor  # [B, T] True for real (not padding) query rows, in token order
     query_rows: torch.Tensor  # [tokens] where each real query sits in the padded layout flattened to [B * T]
-    blind: torch.Tensor | None  # [B, 1, 1, T, 1] True for a query that sees no key (output zeros); None: none does
     prefixed: tuple[int, int] | None  # (request, prefix length) of the first request with a cached prefix
+    kinds: dict[tuple[int, bool], _Keys]  # key plans by (sliding_window_size, is_causal), filled as layers come
+
+    def keys(self, layer: AttentionLayer) -> _Keys:
+        """The key plan of ``layer``'s kind: built by the first layer of that kind in the batch, reused after."""
+        kind = (layer.sliding_window_size, layer.is_causal)
+        plan = self.kinds.get(kind)
+        if plan is None:
+            plan = self.kinds[kind] = _plan_keys(self.batch, self.query_valid, layer)
+        return plan
 
 
 class BatchedMatmulAttnBackend(AttentionBackend):
     """Padded, masked, batched matmul attention over a token-slot KV cache."""
 
-    # tree_mask: it honours ForwardBatch.tree_mask (trees, not only chains); mla: both MLA forms (docs/mla.md)
-    capabilities = BackendCapabilities(tree_mask=True, mla=True)
+    # tree_mask: it honours ForwardBatch.tree_mask (trees, not only chains); mla: both MLA forms (docs/mla.md);
+    # the four attention variants (docs/variants.md), in any combination and every forward mode
+    capabilities = BackendCapabilities(
+        tree_mask=True, mla=True, sliding_window=True, logit_cap=True, sinks=True, non_causal=True
+    )
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
         self._metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Build the padded layout and the mask once per batch; every layer reuses them."""
+        """Build the padded query layout once per batch; each layer kind's keys and mask come at its first layer."""
         if forward_batch.batch_size == 0:
             self._metadata = None
             return
         device = forward_batch.kv_pool.device
-        max_keys = max(forward_batch.seq_lens_cpu)
         max_queries = max(forward_batch.extend_seq_lens_cpu)
-        table = forward_batch.kv_pool.req_to_token
-        key_pos = torch.arange(max_keys, device=device)
-        key_valid = key_pos.unsqueeze(0) < forward_batch.seq_lens.unsqueeze(1)  # [B, L]
-        rows = table.index_select(0, forward_batch.req_pool_indices)[:, :max_keys]
-        key_slots = torch.where(key_valid, rows, torch.zeros_like(rows))
         query_idx = torch.arange(max_queries, device=device)
         query_valid = query_idx.unsqueeze(0) < forward_batch.extend_seq_lens.unsqueeze(1)  # [B, T]
-        query_pos = forward_batch.prefix_lens.unsqueeze(1) + query_idx.unsqueeze(0)  # absolute positions
-        causal = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # [B, T, L]
-        blind = None
-        if forward_batch.tree_mask is not None:
-            _apply_tree(causal, forward_batch)
-            seen = causal.any(dim=-1, keepdim=True)  # [B, T, 1]; a causal row always sees key 0 (position 0)
-            if not bool(seen.all()):  # a tree row all False without a prefix: one sync per tree batch
-                blind = ~seen
-                causal |= blind & (key_pos == 0)  # it reads key 0, so softmax never sees an all-masked row
-                blind = blind.view(forward_batch.batch_size, 1, 1, max_queries, 1)
-        blocked = ~(causal & key_valid.unsqueeze(1))
         query_rows = query_valid.flatten().nonzero().squeeze(1)  # once per batch, not a boolean scatter per layer
         prefixed = next(((i, n) for i, n in enumerate(forward_batch.prefix_lens_cpu) if n), None)
-        self._metadata = _Metadata(forward_batch, key_slots, blocked, query_valid, query_rows, blind, prefixed)
+        self._metadata = _Metadata(forward_batch, query_valid, query_rows, prefixed, {})
 
     def _plan(self, forward_batch: ForwardBatch) -> _Metadata:
         meta = self._metadata
@@ -100,8 +122,20 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         return meta
 
     def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
+                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
         meta = self._plan(forward_batch)
+        if sinks is None and layer.has_sinks:
+            raise ValueError(
+                f"batched_matmul: layer {layer.layer_id} has attention sinks (has_sinks=True) but was called without "
+                "sinks=; pass its [num_heads] sink logits, as SGLang's models do on every call"
+            )
+        if sinks is not None and tuple(sinks.shape) != (layer.num_heads,):
+            raise ValueError(
+                f"batched_matmul: layer {layer.layer_id} got sinks of shape {tuple(sinks.shape)}; it needs one logit "
+                f"per query head of this rank, shape ({layer.num_heads},)"
+            )
+        plan = meta.keys(layer)
         pool = forward_batch.kv_pool
         kv_heads, dim = layer.num_kv_heads, layer.head_dim
         if save_kv_cache:
@@ -109,25 +143,45 @@ class BatchedMatmulAttnBackend(AttentionBackend):
                 layer.layer_id, forward_batch.out_cache_loc, k.view(-1, kv_heads, dim), v.view(-1, kv_heads, dim)
             )
         batch, max_queries = meta.query_valid.shape
-        group = layer.num_heads // kv_heads
+        heads, group = layer.num_heads, layer.num_heads // kv_heads
+        max_keys = plan.key_slots.shape[1]
         compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
 
-        # [tokens, heads, D] -> padded [B, T, heads, D] -> [B, kv_heads, group, T, D]
-        padded_q = q.new_zeros((batch, max_queries, layer.num_heads, dim), dtype=compute)
-        padded_q[meta.query_valid] = q.view(-1, layer.num_heads, dim).to(compute)
-        padded_q = padded_q.view(batch, max_queries, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-        # cache [slots, kv_heads, D] -> [B, L, kv_heads, D] -> [B, kv_heads, 1, L, D]
-        keys = pool.k_buffer(layer.layer_id)[meta.key_slots].to(compute).permute(0, 2, 1, 3).unsqueeze(2)
-        values = pool.v_buffer(layer.layer_id)[meta.key_slots].to(compute).permute(0, 2, 1, 3).unsqueeze(2)
+        # Batched over (KV head, request), a KV head's query heads folded into the query axis: queries [kv_heads * B,
+        # T * group, D] meet keys [kv_heads * B, L, D] in one bmm, so no KV head is ever copied per query head.
+        padded_q = q.new_zeros((kv_heads, batch * max_queries, group, dim), dtype=compute)
+        padded_q.index_copy_(1, meta.query_rows, q.view(-1, kv_heads, group, dim).transpose(0, 1).to(compute))
+        queries = padded_q.view(kv_heads * batch, max_queries * group, dim)
+        # cache [slots, kv_heads, D] -> gathered straight into [kv_heads, B * L, D]: only the keys of the plan (an
+        # indexing gather reads the strided view in place; index_select would first copy the whole buffer)
+        slots = plan.key_slots.flatten()
+        keys = pool.k_buffer(layer.layer_id).transpose(0, 1)[:, slots].to(compute)
+        values = pool.v_buffer(layer.layer_id).transpose(0, 1)[:, slots].to(compute)
 
-        scores = torch.matmul(padded_q, keys.transpose(-1, -2)) * layer.scaling  # [B, kv_heads, group, T, L]
-        scores = scores.masked_fill(meta.blocked.view(batch, 1, 1, max_queries, -1), float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, kv_heads, group, T, D]
-        if meta.blind is not None:  # a query that sees no key gets zeros (it read key 0 only to keep softmax finite)
-            out = out.masked_fill(meta.blind, 0.0)
-
-        out = out.permute(0, 3, 1, 2, 4).reshape(batch, max_queries, layer.num_heads, dim)
-        return out[meta.query_valid].to(q.dtype)
+        scores = torch.bmm(queries, keys.reshape(kv_heads * batch, max_keys, dim).transpose(1, 2))
+        cap = layer.logit_cap
+        if cap > 0:  # cap * tanh(scaling * s / cap), before the mask (tanh(-inf) would unmask)
+            scores.mul_(layer.scaling / cap).tanh_().mul_(cap)
+        else:
+            scores.mul_(layer.scaling)
+        per_head = scores.view(kv_heads, batch, max_queries, group, max_keys)  # the same memory, by axis
+        per_head.masked_fill_(plan.blocked.view(1, batch, max_queries, 1, max_keys), float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # softmax written out, the sink one more term of the denominator (and of the max, against overflow)
+            sink = sinks.to(compute).view(kv_heads, 1, 1, group, 1)
+            peak = torch.maximum(per_head.amax(dim=-1, keepdim=True), sink)
+            denominator = per_head.sub_(peak).exp_().sum(dim=-1, keepdim=True).add_(sink.sub(peak).exp_())
+            probs = scores  # the weights, normalised below on the (narrower) output
+        out = torch.bmm(probs, values.reshape(kv_heads * batch, max_keys, dim))  # [kv_heads * B, T * group, D]
+        if sinks is not None:
+            out.view(kv_heads, batch, max_queries, group, dim).div_(denominator)
+        if plan.blind is not None:  # a query that sees no key gets zeros (it read key 0 only to keep softmax finite)
+            out.view(kv_heads, batch, max_queries, group, dim).masked_fill_(
+                plan.blind.view(1, batch, max_queries, 1, 1), 0.0
+            )
+        out = out.view(kv_heads, batch * max_queries, group, dim).index_select(1, meta.query_rows)
+        return out.transpose(0, 1).reshape(-1, heads, dim).to(q.dtype)
 
     def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
                         forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
@@ -171,10 +225,80 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         return out.view(-1, heads * rank) if q.dim() == 2 else out
 
 
-def _apply_tree(causal: torch.Tensor, forward_batch: ForwardBatch) -> None:
-    """Overwrite each request's new-token columns of ``causal`` with its block of the tree mask (per batch)."""
+def _plan_keys(forward_batch: ForwardBatch, query_valid: torch.Tensor, layer: AttentionLayer) -> _Keys:
+    """The keys each request reads for layers like ``layer`` and the mask over them (once per kind and batch).
+
+    Key column ``c`` of request ``b`` is its key index ``start_b + c``, where ``start_b = max(0, prefix_b - w)``
+    under a window ``w`` (no query of the request sees an earlier key: the first new token sits at position
+    ``prefix_b``, in a tree too) and ``0`` without one."""
+    window, causal, tree = layer.sliding_window_size, layer.is_causal, forward_batch.tree_mask is not None
+    if tree and not causal:
+        raise ValueError(
+            f"batched_matmul: layer {layer.layer_id} is non-causal (is_causal=False) but this "
+            f"{forward_batch.forward_mode.name} batch carries a speculative tree (tree_mask), which has no meaning "
+            "over a bidirectional layer (docs/variants.md); run the layer in batches without a tree (chains)"
+        )
+    device = forward_batch.kv_pool.device
+    batch, max_queries = query_valid.shape
+    starts = [max(0, p - window) if window >= 0 else 0 for p in forward_batch.prefix_lens_cpu]
+    max_keys = max(s - a for s, a in zip(forward_batch.seq_lens_cpu, starts, strict=True))
+    columns = torch.arange(max_keys, device=device)
+    rows = forward_batch.kv_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
+    prefix = forward_batch.prefix_lens.unsqueeze(1)  # [B, 1]
+    if any(starts):
+        key_idx = torch.tensor(starts, dtype=torch.int64, device=device).unsqueeze(1) + columns  # [B, L]
+    else:
+        key_idx = columns.expand(batch, max_keys)
+    last = forward_batch.seq_lens.unsqueeze(1) - 1
+    key_valid = key_idx <= last
+    # A padding column reads the request's last key again, never a slot of another request or outside the window:
+    # whatever such a slot holds (NaN in a recycled page) would survive the mask as 0 * NaN.
+    key_slots = rows.gather(1, torch.minimum(key_idx, last))
+    query_idx = prefix + torch.arange(max_queries, device=device)  # [B, T]: each query's own key index
+    if causal:
+        visible = key_idx.unsqueeze(1) <= query_idx.unsqueeze(-1)  # [B, T, L]
+    else:
+        visible = key_valid.unsqueeze(1).expand(batch, max_queries, max_keys).clone()
+    if tree:
+        _apply_tree(visible, forward_batch, starts)
+    if window >= 0:
+        key_pos, query_pos = key_idx, query_idx
+        if tree:  # a new token's position is its prefix plus its depth in the tree
+            depth = _tree_depths(forward_batch, max_queries, device)
+            query_pos = prefix + depth
+            new = (key_idx - prefix).clamp(0, max_queries - 1)
+            key_pos = torch.where(key_idx >= prefix, prefix + depth.gather(1, new), key_idx)
+        visible &= query_pos.unsqueeze(-1) - key_pos.unsqueeze(1) <= window
+    visible &= key_valid.unsqueeze(1)
+    first = columns == 0  # column 0 is a real key of every request (each reads at least one)
+    visible |= ~query_valid.unsqueeze(-1) & first  # padding queries keep a finite softmax; they are never returned
+    blind = None
+    if tree:  # only a tree row can see nothing: a causal or bidirectional query always sees itself
+        seen = visible.any(dim=-1, keepdim=True)  # [B, T, 1]
+        if not bool(seen.all()):  # one sync per tree batch and layer kind
+            visible |= ~seen & first  # it reads key 0, so softmax never sees an all-masked row
+            blind = ~seen.squeeze(-1)
+    return _Keys(key_slots, ~visible, blind)
+
+
+def _apply_tree(visible: torch.Tensor, forward_batch: ForwardBatch, starts: list[int]) -> None:
+    """Overwrite each request's new-token columns of ``visible`` with its block of the tree mask."""
     assert forward_batch.tree_mask is not None
     lens = forward_batch.extend_seq_lens_cpu
     blocks = forward_batch.tree_mask.split_with_sizes([new * new for new in lens])
-    for b, (prefix, new, block) in enumerate(zip(forward_batch.prefix_lens_cpu, lens, blocks, strict=True)):
-        causal[b, :new, prefix : prefix + new] = block.view(new, new)
+    for b, (prefix, new, start, block) in enumerate(
+        zip(forward_batch.prefix_lens_cpu, lens, starts, blocks, strict=True)
+    ):
+        visible[b, :new, prefix - start : prefix - start + new] = block.view(new, new)
+
+
+def _tree_depths(forward_batch: ForwardBatch, max_queries: int, device: torch.device) -> torch.Tensor:
+    """``[B, T]``: each new token's number of ancestors (its tree row without itself); padding 0."""
+    assert forward_batch.tree_mask is not None
+    lens = forward_batch.extend_seq_lens_cpu
+    blocks = forward_batch.tree_mask.split_with_sizes([new * new for new in lens])
+    depth = torch.zeros((len(lens), max_queries), dtype=torch.int64, device=device)
+    for b, (new, block) in enumerate(zip(lens, blocks, strict=True)):
+        square = block.view(new, new)
+        depth[b, :new] = square.sum(dim=1) - square.diagonal().to(torch.int64)
+    return depth

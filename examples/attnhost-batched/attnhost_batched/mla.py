@@ -1,6 +1,7 @@
 """``batched_matmul``'s multi-head latent attention (docs/mla.md): both forms as padded, masked batched matmuls.
 
-Both kernels reuse the padded layout and the mask the backend plans once per batch, so an MLA layer plans nothing:
+Both kernels reuse the padded layout and the causal key plan the backend makes once per batch (an MLA layer has
+no attention variant), so an MLA layer plans nothing after the batch's first:
 
 * The absorbed form has a single KV head whose keys are the whole latent row and whose values are the row's first
   ``kv_lora_rank`` columns. So the latent rows are gathered once per layer (``[B, L, latent]``), the values are a
@@ -56,19 +57,20 @@ def attend_latent(
     """The absorbed form: ``q`` ``[n, heads, latent]`` (or ``[n, heads, rank]`` with ``q_rope`` the rest) over the
     latent rows ``[slots, 1, latent]`` of every request; returns ``[n, heads, rank]`` in ``q``'s dtype."""
     batch, max_queries = meta.query_valid.shape
-    max_keys = meta.key_slots.shape[1]
+    plan = meta.keys(layer)  # an MLA layer is plain causal attention: the batch's causal plan
+    max_keys = plan.key_slots.shape[1]
     heads, width = layer.num_heads, latent.shape[-1]
     compute = _compute_dtype(q.dtype)
     parts = (q,) if q_rope is None else (q, q_rope)
     queries = _padded(meta, parts, heads, compute).view(batch, max_queries * heads, width)
-    rows = latent.index_select(0, meta.key_slots.flatten()).view(batch, max_keys, width).to(compute)
+    rows = latent.index_select(0, plan.key_slots.flatten()).view(batch, max_keys, width).to(compute)
 
     scores = torch.bmm(queries, rows.transpose(1, 2)).mul_(layer.scaling)  # [B, T * heads, L]
-    scores = scores.view(batch, max_queries, heads, max_keys).masked_fill_(meta.blocked.unsqueeze(2), float("-inf"))
+    scores = scores.view(batch, max_queries, heads, max_keys).masked_fill_(plan.blocked.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(batch, max_queries * heads, max_keys)
     out = torch.bmm(probs, rows[..., :rank]).view(batch, max_queries, heads, rank)  # values: a view of the rows
-    if meta.blind is not None:  # a query that sees no key gets zeros (it read key 0 only to keep softmax finite)
-        out.masked_fill_(meta.blind.view(batch, max_queries, 1, 1), 0.0)
+    if plan.blind is not None:  # a query that sees no key gets zeros (it read key 0 only to keep softmax finite)
+        out.masked_fill_(plan.blind.view(batch, max_queries, 1, 1), 0.0)
     return out.view(batch * max_queries, heads, rank).index_select(0, meta.query_rows).to(q.dtype)
 
 
@@ -79,6 +81,7 @@ def attend_mha(
     v_head_dim]``, each request attending causally (or by its tree) over its own rows; returns ``[n, heads,
     v_head_dim]`` in ``q``'s dtype."""
     batch, max_queries = meta.query_valid.shape
+    plan = meta.keys(layer)  # an MLA layer is plain causal attention: the batch's causal plan
     heads, v_dim = layer.num_heads, layer.v_head_dim
     compute = _compute_dtype(q.dtype)
 
@@ -88,9 +91,9 @@ def attend_mha(
 
     queries, keys, values = heads_first(q), heads_first(k), heads_first(v)
     scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(layer.scaling)  # [B, heads, T, T]
-    scores.masked_fill_(meta.blocked.unsqueeze(1), float("-inf"))  # no prefix: the key axis is the query axis
+    scores.masked_fill_(plan.blocked.unsqueeze(1), float("-inf"))  # no prefix: the key axis is the query axis
     out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, heads, T, v_dim]
-    if meta.blind is not None:
-        out.masked_fill_(meta.blind.view(batch, 1, max_queries, 1), 0.0)
+    if plan.blind is not None:
+        out.masked_fill_(plan.blind.view(batch, 1, max_queries, 1), 0.0)
     out = out.transpose(1, 2).reshape(batch * max_queries, heads, v_dim)
     return out.index_select(0, meta.query_rows).to(q.dtype)
