@@ -65,7 +65,7 @@ def test_a_sliding_window_model_is_refused_at_construction() -> None:
 @pytest.mark.parametrize(
     ("attribute", "value", "feature"),
     [
-        ("logit_cap", 30.0, "logit capping"),
+        ("logit_cap", 30.0, "logit soft-capping"),
         ("sliding_window_size", 8, "sliding-window attention"),
         ("is_cross_attention", True, "cross-attention"),
         ("v_head_dim", 8, "a V head dim"),
@@ -87,8 +87,10 @@ def test_extra_attention_arguments_are_refused_not_ignored() -> None:
     fixture = _fixture()
     fixture.backend.init_forward_metadata(fixture.forward_batch)
     q, k, v = _qkv(fixture)
-    with pytest.raises(UnsupportedFeatureError, match="extra attention arguments sinks"):
+    with pytest.raises(UnsupportedFeatureError, match=r"'tiny'.*does not support attention sinks"):
         fixture.backend.forward_extend(q, k, v, fixture.actual_module.attn, fixture.forward_batch, sinks=torch.ones(4))
+    with pytest.raises(UnsupportedFeatureError, match="extra attention arguments k_scale"):
+        fixture.backend.forward_extend(q, k, v, fixture.actual_module.attn, fixture.forward_batch, k_scale=1.5)
 
 
 def test_a_custom_mask_outside_target_verify_is_refused_not_ignored() -> None:

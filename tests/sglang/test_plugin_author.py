@@ -1,4 +1,4 @@
-"""The engine kit tried as a stranger would (issue 22, point 5): a plugin written from the README, checked in SGLang.
+"""The engine kit tried as a stranger would: a plugin written from the plugin guide, checked in SGLang.
 
 A kernel author copies the plugin guide's ``pyproject.toml``, hooks module
 and kernel into a fresh package, installs it with pip (a real build and a
@@ -63,9 +63,8 @@ def test_the_guides_plugin_passes_the_engine_kit(tmp_path: Path) -> None:
     proc = _install_and_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # registration, every dense case in the three declared dtypes, the verify kit's chains, the engine cases;
-    # what the guide's backend does not declare (tree masks, MLA) skips, and nothing else does
-    undeclared = ("does not declare tree masks", "does not declare MLA")
-    assert kit_run_problems(proc.stdout, undeclared) == [], proc.stdout[-3000:]
+    # what the guide's backend does not declare (tree masks, MLA, the variants) skips, and nothing else does
+    assert kit_run_problems(proc.stdout, ("does not declare ",)) == [], proc.stdout[-3000:]
     assert "does not declare tree masks" in proc.stdout
     passed = int(re.findall(r"(\d+) passed", proc.stdout)[-1])
     assert passed >= 1 + len(dense_cases("acme")) * len(DTYPES) + ENGINE_CASES, proc.stdout[-3000:]
@@ -76,8 +75,8 @@ def test_a_plugin_with_wrong_numerics_fails_with_the_case_and_the_error_size(tmp
     assert proc.returncode == 1, proc.stdout[-6000:] + proc.stderr[-3000:]
     failed = [line for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
     assert len(failed) == 1 and "test_sglang_dense_kit[" in failed[0], proc.stdout[-6000:]
-    # the failure's first line (pytest's "E   " lines) says what broke, where and by how much
-    first = next(line for line in proc.stdout.splitlines() if line.startswith("E   "))
+    # the failure is its message alone (no traceback), which says what broke, where and by how much
+    first = next(line for line in proc.stdout.splitlines() if line.startswith("backend 'acme', "))
     reason = re.search(r"backend 'acme', SGLang dense case '([^']+)' \((\w+)\): max abs error (\S+) at", first)
     assert reason, first
     case, dtype, size = reason.groups()

@@ -61,6 +61,7 @@ def test_the_scaffolding_is_its_own_installed_distribution() -> None:
         ("sglang.srt.platforms", PLATFORM_NAME, "attnhost_sglang_cpu.platform:activate"),
         ("sglang.srt.plugins", "attnhost_test_cpu_kernels", "attnhost_sglang_cpu.plugin:register"),
         ("sglang.srt.plugins", "attnhost_test_probe", "attnhost_sglang_cpu.probe:register"),
+        ("sglang.srt.plugins", "attnhost_test_dflash", "attnhost_sglang_cpu.dflash_plugin:register"),
         ("attnhost.engine_suites", "sglang", "attnhost_sglang_cpu.suite"),  # pytest --attnhost-engine sglang
     }
     assert "TEST-ONLY" in (kit.metadata["Summary"] or "")

@@ -20,9 +20,22 @@ slot table (:func:`slot_table`), since SGLang's own backends take the new
 tokens' K/V from the write slots, not from ``req_to_token``; the draft's
 multi-step decode steps are planned by ``multistep``.
 
+Attention variants (docs/variants.md): each layer's ``sliding_window_size``,
+``logit_cap`` (tanh only), ``attn_type`` (``ENCODER_ONLY``: non-causal) and
+``sinks=`` (gpt-oss passes them per call) become the layer's facts, once.
+When the adapter is built the model is already loaded, so the adapter walks
+its attention layers then (``model_checks``) and refuses, before any batch,
+a layer whose variants the backend does not declare. SGLang's hybrid
+sliding-window pool (``SWAKVPool``: the window layers' keys in a smaller
+pool of their own, ``req_to_token`` naming full-pool slots) is served by a
+second attnhost backend for the window layers, over a view whose slot table
+is translated into the window pool once per batch: each backend then sees
+one KV cache whose ``req_to_token`` is right for every layer it is called
+for, as the contract has it.
+
 An MLA model's runner gets the subclass in ``mla`` instead (the bridge
 picks it), and this class refuses one. What the attnhost contract cannot
-express — sliding windows, logit caps, cross-attention, a V head dim
+express — cross-attention, logit caps other than tanh, a V head dim
 unlike the QK one outside MLA, a tree for a backend
 without ``tree_mask``, CUDA-graph capture for a backend that does not
 declare it — is refused with one error naming the backend and the feature,
@@ -32,17 +45,22 @@ wrong number.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as SGLangAttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangForwardMode
 from torch import Tensor
 
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
 from attnhost.engines.batch_checks import BatchFacts, check_lengths, check_slots, read_batch_facts
 from attnhost.engines.runner_view import RunnerView
+from attnhost.engines.sglang.model_checks import attention_layers, dropped_window, model_name, warn_once_per_runner
 from attnhost.errors import (
     BackendFailedError,
     InvalidBatchError,
@@ -57,6 +75,8 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch as SGLangBatch
 
 __all__ = ["SGLangAdapterBackend", "UnsupportedFeatureError"]
+
+logger = logging.getLogger("attnhost.engines.sglang")
 
 
 _MODES = {
@@ -179,6 +199,26 @@ class SGLangKVCache:
         self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, physical=self._physical), k, v)
 
 
+class SGLangWindowKVCache(SGLangKVCache):
+    """The window layers' side of SGLang's hybrid ``SWAKVPool``: their buffers (the pool's own dispatch by layer)
+    and, as ``req_to_token``, the batch's slot table translated into the window pool (:meth:`translate`), with
+    the batch's rows in order; slots are window-pool slots throughout, writes included."""
+
+    __slots__ = ()
+
+    def translate(self, table: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+        """``table``'s rows ``rows`` (their first ``width`` slots, full-pool slots) as window-pool slots, kept as
+        this view's ``req_to_token``: once per batch, before any layer runs. A slot outside a request's window
+        may map to SGLang's dummy slot or to a reused one; a backend that honours the window never reads it."""
+        full = table.index_select(0, rows.to(torch.int64))[:, :width]
+        translated: torch.Tensor = self._pool.translate_loc_from_full_to_swa(full)
+        self._table = translated
+        return translated
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, swa_loc=loc, physical=self._physical), k, v)
+
+
 class _Stamp:
     """A backend-name stamp SGLang writes on the adapter, written through to the attnhost backend inside."""
 
@@ -190,8 +230,14 @@ class _Stamp:
 
     def __set__(self, adapter: object, value: str | None) -> None:
         adapter.__dict__[self.name] = value
-        if (inner := adapter.__dict__.get("attnhost_backend")) is not None:
-            setattr(inner, self.name, value)
+        for inner in (adapter.__dict__.get("attnhost_backend"), adapter.__dict__.get("window_backend")):
+            if inner is not None:
+                setattr(inner, self.name, value)
+
+
+def _no_peers(needs: tuple[str, ...]) -> list[str]:
+    """No other backend to suggest: an adapter built outside the bridge knows of no peers."""
+    return []
 
 
 class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGLang is untyped
@@ -206,8 +252,10 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         origin: str,
         factory: Any,
         capabilities: BackendCapabilities,
+        capable_peers: Callable[[tuple[str, ...]], list[str]] = _no_peers,
     ) -> None:
         super().__init__()
+        self._capable_peers = capable_peers
         self.engine_name = engine_name
         self.attnhost_name = attnhost_name
         self.origin = origin
@@ -219,21 +267,80 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.data_type = getattr(model_runner, "dtype", None) or self.token_to_kv_pool.dtype
         self.kv_cache_dtype = self.token_to_kv_pool.dtype
         self._kv = SGLangKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
-        first_layer = getattr(self.token_to_kv_pool, "start_layer", 0) or 0  # pipeline stages start further on
-        self._num_slots = int(self.token_to_kv_pool.get_key_buffer(first_layer).shape[0])  # as many in every layer
-        view = RunnerView(self.device, self.data_type, bool(getattr(model_runner, "is_draft_worker", False)), self._kv)
-        backend = build_backend(
+        self._num_slots = self._slots_per_layer()
+        is_draft = bool(getattr(model_runner, "is_draft_worker", False))
+        view = RunnerView(self.device, self.data_type, is_draft, self._kv)
+        self.attnhost_backend = self._build(factory, view)
+        # SGLang's hybrid pool: the window layers run on a backend of their own, over the window pool's view
+        self._window_kv: SGLangWindowKVCache | None = None
+        self.window_backend = None
+        self._window_ids: frozenset[int] = frozenset()
+        if isinstance(self.token_to_kv_pool, SWAKVPool):
+            self._window_kv = SGLangWindowKVCache(self.req_to_token_pool, self.token_to_kv_pool, self.device)
+            mapping = self.token_to_kv_pool.layers_mapping
+            self._window_ids = frozenset(layer_id for layer_id, (_, swa) in mapping.items() if swa)
+            window_view = RunnerView(self.device, self.data_type, is_draft, self._window_kv)
+            self.window_backend = self._build(factory, window_view)
+        self._window_batch: ForwardBatch | None = None
+        self._layers: dict[int, AttentionLayer] = {}
+        self._sinks: dict[int, tuple[Tensor, int, Tensor]] = {}  # layer -> (SGLang's sinks, their version, passed)
+        self._sglang_batch: SGLangBatch | None = None
+        self._batch: ForwardBatch | None = None
+        self._decode: bool | None = None  # the planned batch's method (see forward); None: SGLang's own dispatch
+        if not getattr(model_runner, "use_mla_backend", False):
+            self._check_model(model_runner)
+
+    def _build(self, factory: Any, view: RunnerView) -> Any:
+        return build_backend(
             factory,
             view,
             where=self._where,
             way_out="fix or reinstall the plugin, or choose another --attention-backend",
-            owner=origin,
+            owner=self.origin,
         )
-        self.attnhost_backend = backend
-        self._layers: dict[int, AttentionLayer] = {}
-        self._sglang_batch: SGLangBatch | None = None
-        self._batch: ForwardBatch | None = None
-        self._decode: bool | None = None  # the planned batch's method (see forward); None: SGLang's own dispatch
+
+    def _slots_per_layer(self) -> int:
+        """How many slots ``out_cache_loc`` may name: a layer's buffer rows, the full pool's in a hybrid pool."""
+        pool = self.token_to_kv_pool
+        if isinstance(pool, SWAKVPool):
+            return int(pool.full_kv_pool.k_buffer[0].shape[0])
+        first_layer = getattr(pool, "start_layer", 0) or 0  # pipeline stages start further on
+        return int(pool.get_key_buffer(first_layer).shape[0])  # as many in every layer
+
+    def _check_model(self, runner: Any) -> None:
+        """Convert every attention layer of the loaded model now and refuse, before any batch, one whose variants
+        the backend does not declare (``BackendCapabilities.layer_refusal``); warn once if the config declares a
+        window no layer carries (Mistral v0.1, Qwen2: SGLang's model code drops it)."""
+        model = getattr(runner, "model", None)
+        if model is None:
+            return
+        windows = []
+        for radix, has_sinks in attention_layers(model):
+            layer = self._layer(radix, has_sinks, walked=True)
+            windows.append(layer.sliding_window_size)
+            reason = self.capabilities.layer_refusal(layer)
+            if reason is not None:
+                raise UnsupportedFeatureError(
+                    f"{self._where} cannot serve {model_name(runner)}: layer {layer.layer_id} needs {reason}; "
+                    f"{self._variant_way_out(layer.variant_features)}"
+                )
+            if layer.layer_id in self._window_ids and layer.sliding_window_size < 0:
+                raise self.refusal(
+                    f"layer {layer.layer_id} of {model_name(runner)} without a window although SGLang keeps its "
+                    "keys in the hybrid pool's window part",
+                    "run SGLang with --disable-hybrid-swa-memory",
+                )
+        warning = dropped_window(runner, windows)
+        if warning is not None and warn_once_per_runner(runner):
+            logger.warning("%s", warning)
+
+    def _variant_way_out(self, needs: tuple[str, ...]) -> str:
+        """The way out of a variant refusal: the exported attnhost backends that declare all of *needs*."""
+        capable = [name for name in self._capable_peers(needs) if name != self.engine_name]
+        flags = ", ".join(needs)
+        if capable:
+            return f"choose an --attention-backend that declares {flags}, e.g. {', '.join(capable)}"
+        return f"choose an --attention-backend that declares {flags}"
 
     @property
     def _where(self) -> str:
@@ -257,9 +364,28 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         model_config = getattr(runner, "model_config", None)
         if getattr(model_config, "is_encoder_decoder", False):
             raise self.refusal("encoder-decoder models (cross-attention)")
-        if getattr(runner, "is_hybrid_swa", False):
-            raise self.refusal("sliding-window attention (a hybrid SWA KV pool)")
         pool = self.token_to_kv_pool
+        pools = [pool]
+        if isinstance(pool, SWAKVPool):  # SGLang's hybrid pool: the window layers' keys in a pool of their own
+            if getattr(getattr(runner, "kv_index_translator", None), "is_translating", False):
+                raise self.refusal(
+                    "SGLang's unified memory pool (its req_to_token holds virtual KV ids)",
+                    "run SGLang without --enable-unified-memory",
+                )
+            if not pool.full_layer_nums:
+                raise self.refusal("a hybrid KV pool without full-attention layers", "use --disable-hybrid-swa-memory")
+            pools = [pool.full_kv_pool, pool.swa_kv_pool]
+        if getattr(runner, "is_hybrid_swa", False) and not self.capabilities.sliding_window:
+            # SGLang's own start-up word that the model has window layers: refused before any layer is walked
+            raise self.refusal(
+                f"sliding-window attention, which {model_name(runner)} needs (SGLang's is_hybrid_swa; it does not "
+                "declare sliding_window)",
+                self._variant_way_out(("sliding_window",)),
+            )
+        for part in pools:
+            self._check_pool(runner, part)
+
+    def _check_pool(self, runner: Any, pool: Any) -> None:
         if not isinstance(pool, MHATokenToKVPool):
             raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MHATokenToKVPool)")
         if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", None) not in (None, "NHD", "nhd"):
@@ -274,17 +400,21 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if reason is not None:
             raise self.refusal(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
 
-    def _layer(self, layer: RadixAttention) -> AttentionLayer:
-        """The attnhost view of a layer, checked once, on its first forward."""
+    def _layer(self, layer: RadixAttention, has_sinks: bool = False, *, walked: bool = False) -> AttentionLayer:
+        """The attnhost view of a layer, checked once: for every layer of the model when the adapter is built
+        (``_check_model``), else on its first forward (a layer the walk did not find: ``has_sinks`` is then
+        whether that call passed ``sinks=``)."""
         if getattr(layer, "is_cross_attention", False):
             raise self.refusal(f"cross-attention (layer {layer.layer_id})")
         attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
-        if attn_type != "DECODER":
-            raise self.refusal(f"{attn_type.lower()} attention (layer {layer.layer_id}); it computes causal attention")
-        if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
-            raise self.refusal(f"sliding-window attention (layer {layer.layer_id})")
-        if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
-            raise self.refusal(f"logit capping (layer {layer.layer_id}, logit_cap={layer.logit_cap})")
+        if attn_type not in ("DECODER", "ENCODER_ONLY"):
+            raise self.refusal(f"{attn_type.lower()} attention (layer {layer.layer_id})")
+        cap = float(getattr(layer, "logit_cap", 0.0) or 0.0)
+        method = getattr(layer, "logit_capping_method", "tanh")
+        if cap > 0 and method != "tanh":
+            raise self.refusal(
+                f"the logit-capping method {method!r} (layer {layer.layer_id}; the contract's soft-cap is tanh)"
+            )
         if layer.qk_head_dim != layer.v_head_dim:
             raise self.refusal(f"a V head dim ({layer.v_head_dim}) unlike the QK head dim ({layer.qk_head_dim})")
         if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
@@ -296,15 +426,24 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         reason = self.capabilities.refusal(dtype=dtype_name(self.data_type), head_dim=head_dim)
         if reason is not None:
             raise self.refusal(reason)
+        window = getattr(layer, "sliding_window_size", -1)
         converted = AttentionLayer(
             layer_id=layer.layer_id,
             num_heads=layer.tp_q_head_num,
             num_kv_heads=layer.tp_k_head_num,
             head_dim=head_dim,
             scaling=float(layer.scaling),
+            sliding_window_size=-1 if window is None or window < 0 else int(window),
+            logit_cap=cap,
+            has_sinks=has_sinks,
+            is_causal=attn_type == "DECODER",
         )
+        reason = None if walked else self.capabilities.layer_refusal(converted)
+        if reason is not None:  # the start-up walk refuses these naming the model; a layer it did not find, here
+            raise self.refusal(f"{reason} (layer {layer.layer_id})")
         self._layers[layer.layer_id] = converted
-        self._kv._layers[layer.layer_id] = layer
+        view = self._window_kv if layer.layer_id in self._window_ids and self._window_kv is not None else self._kv
+        view._layers[layer.layer_id] = layer
         return converted
 
     # -- per batch ------------------------------------------------------------------
@@ -400,15 +539,29 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def _plan(self, forward_batch: SGLangBatch, batch: ForwardBatch | None) -> None:
         """Remember the batch SGLang planned and let the attnhost backend plan its translation."""
         self._sglang_batch = forward_batch
-        self._batch = None  # a refused or failed plan leaves no batch behind to run layers on
-        if batch is not None:
-            try:
-                self.attnhost_backend.init_forward_metadata(batch)
-            except (Exception, SystemExit) as exc:
-                raise self.failure("init_forward_metadata", batch.forward_mode, None, exc) from exc
-        self._batch = batch
+        self._batch = self._window_batch = None  # a refused or failed plan leaves no batch behind to run layers on
+        window_batch = None if batch is None or self._window_kv is None else self._window_twin(batch)
+        for backend, planned in ((self.attnhost_backend, batch), (self.window_backend, window_batch)):
+            if planned is not None and backend is not None:
+                try:
+                    backend.init_forward_metadata(planned)
+                except (Exception, SystemExit) as exc:
+                    raise self.failure("init_forward_metadata", planned.forward_mode, None, exc) from exc
+        self._batch, self._window_batch = batch, window_batch
         mode = forward_batch.forward_mode
         self._decode = None if batch is None or mode.is_mixed() else mode.is_decode()
+
+    def _window_twin(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch as the window layers' backend sees it: the same lengths over the hybrid pool's window part,
+        each row's slots (and the write slots) translated from the full pool once, here, for every layer."""
+        window_kv = self._window_kv
+        assert window_kv is not None
+        window_kv._physical = self._kv._physical
+        width = max(batch.seq_lens_cpu)
+        window_kv.translate(batch.kv_pool.req_to_token, batch.req_pool_indices, width)
+        rows = torch.arange(batch.batch_size, dtype=torch.int64, device=batch.req_pool_indices.device)
+        loc = self.token_to_kv_pool.translate_loc_from_full_to_swa(batch.out_cache_loc)
+        return replace(batch, kv_pool=window_kv, req_pool_indices=rows, out_cache_loc=loc)
 
     def failure(self, method: str, mode: ForwardMode, layer_id: int | None, exc: BaseException) -> BackendFailedError:
         return backend_failed(self._where, self.origin, method, mode.name, layer_id, exc)
@@ -525,10 +678,16 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         batch = self._batch
         if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
-        if kwargs and any(value is not None for value in kwargs.values()):
-            extra = ", ".join(sorted(name for name, value in kwargs.items() if value is not None))
-            raise self.refusal(f"the extra attention arguments {extra} (layer {layer.layer_id})")
-        attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer)
+        sinks = None
+        if kwargs:
+            sinks = kwargs.pop("sinks", None)
+            if kwargs and any(value is not None for value in kwargs.values()):
+                extra = ", ".join(sorted(name for name, value in kwargs.items() if value is not None))
+                raise self.refusal(f"the extra attention arguments {extra} (layer {layer.layer_id})")
+        attnhost_layer = self._layers.get(layer.layer_id) or self._layer(layer, sinks is not None)
+        backend = self.attnhost_backend
+        if self._window_batch is not None and layer.layer_id in self._window_ids:  # the hybrid pool's window part
+            backend, batch = self.window_backend, self._window_batch
         tokens = q.shape[0]
         if tokens != batch.num_new_tokens:
             raise self.refusal(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
@@ -538,24 +697,67 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             k = k.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
         if v is not None and v.dim() != 3:
             v = v.view(-1, attnhost_layer.num_kv_heads, attnhost_layer.head_dim)
-        forward = getattr(self.attnhost_backend, method)
-        if self.capabilities.flat_heads:  # SGLang's [tokens, heads * head_dim] both ways: no view per layer
+        forward = getattr(backend, method)
+        if sinks is not None or attnhost_layer.has_sinks:
+            return self._run_with_sinks(forward, method, q, k, v, attnhost_layer, batch, save_kv_cache, sinks)
+        if self.capabilities.flat_heads and q.dim() == 2:  # SGLang's [tokens, heads * dim] both ways: no views
             try:  # free when nothing raises; a plugin's exception gets the one line naming it
                 out: Tensor = forward(q, k, v, attnhost_layer, batch, save_kv_cache)
             except (Exception, SystemExit) as exc:
                 raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
-            if out.dim() != 2:
-                raise RuntimeError(
-                    f"{self._where} declares flat_heads but returned shape {tuple(out.shape)} for a "
-                    f"[{tokens}, {q.shape[1]}] query; fix the plugin (the conformance kit checks this)"
-                )
-            return out
+            return self._flat(out, q)
         q3 = q.view(tokens, attnhost_layer.num_heads, attnhost_layer.head_dim)
         try:
             out = forward(q3, k, v, attnhost_layer, batch, save_kv_cache)
         except (Exception, SystemExit) as exc:
             raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
         return out.reshape(tokens, -1)
+
+    def _flat(self, out: Tensor, q: Tensor) -> Tensor:
+        if out.dim() != 2:
+            raise RuntimeError(
+                f"{self._where} declares flat_heads but returned shape {tuple(out.shape)} for a "
+                f"[{q.shape[0]}, {q.shape[1]}] query; fix the plugin (the conformance kit checks this)"
+            )
+        return out
+
+    def _run_with_sinks(self, forward: Any, method: str, q: Tensor, k: Tensor | None, v: Tensor | None,
+                        layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool,
+                        sinks: Tensor | None) -> Tensor:  # fmt: skip
+        """A layer with sinks (``has_sinks``): ``sinks=`` on to the backend, as the contract has them."""
+        if sinks is None or not layer.has_sinks:
+            raise InvalidBatchError(
+                f"{self._where}: layer {layer.layer_id} was called "
+                + ("without sinks= although its attention module holds sinks" if sinks is None else
+                   "with sinks= although its attention module holds none")
+                + f"; nothing was read or written — {ENGINE_BUG}"
+            )  # fmt: skip
+        passed = self._sinks_for(layer, sinks)
+        tokens = q.shape[0]
+        try:
+            if self.capabilities.flat_heads and q.dim() == 2:
+                return self._flat(forward(q, k, v, layer, batch, save_kv_cache, sinks=passed), q)
+            q3 = q.view(tokens, layer.num_heads, layer.head_dim)
+            out: Tensor = forward(q3, k, v, layer, batch, save_kv_cache, sinks=passed)
+        except (Exception, SystemExit) as exc:
+            raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
+        return out.reshape(tokens, -1)
+
+    def _sinks_for(self, layer: AttentionLayer, sinks: Tensor) -> Tensor:
+        """SGLang's sinks as the contract takes them: ``[num_heads]`` in the layer's dtype or float32. gpt-oss keeps
+        them in bfloat16 whatever the model's dtype, so those become float32, once per weight version (an in-place
+        weight update bumps the tensor's version), not on every call."""
+        cached = self._sinks.get(layer.layer_id)
+        if cached is not None and cached[0] is sinks and cached[1] == sinks._version:
+            return cached[2]
+        if tuple(sinks.shape) != (layer.num_heads,):
+            raise InvalidBatchError(
+                f"{self._where}: layer {layer.layer_id} was passed sinks of shape {tuple(sinks.shape)}, not one per "
+                f"query head of this rank ({layer.num_heads},); nothing was read or written — {ENGINE_BUG}"
+            )
+        passed = sinks if sinks.dtype in (self.data_type, torch.float32) else sinks.to(torch.float32)
+        self._sinks[layer.layer_id] = (sinks, sinks._version, passed)
+        return passed
 
     def _same_batch(self, batch: ForwardBatch, forward_batch: SGLangBatch) -> bool:
         """Whether another ForwardBatch object describes the batch planned: SGLang's eager runner copies a

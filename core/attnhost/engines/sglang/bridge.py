@@ -16,6 +16,9 @@ Three SGLang mechanisms, all SGLang's own, no patch to its source:
 * An AROUND hook (``HookRegistry``) on SGLang's draft resolver: when SGLang
   would fall back, a third-party plugin's ``attnhost_draft_fallback``
   answer for this platform wins; otherwise SGLang's rule stands.
+  DFLASH settles its draft backend earlier, while SGLang resolves the
+  arguments (``_resolve_dflash_draft_attention_backend``): the same rule
+  applies there, through an AROUND hook on that step, with SGLang's warning.
 * An AROUND hook on ``DraftBackendFactory._create_backend``, the one place
   both of SGLang's hard-coded draft maps (``create_decode_backend``,
   ``create_draft_extend_backend``) are looked up: attnhost's names join the
@@ -25,10 +28,18 @@ Three SGLang mechanisms, all SGLang's own, no patch to its source:
   :class:`~attnhost.engines.sglang.multistep.SGLangMultiStepDraftBackend`.
   The resolution hook also refuses a speculative tree (``topk > 1``) whose
   target backend declares no ``tree_mask``, before anything is built.
+* A resolution hook on ``handle_model_specific_adjustments``, where SGLang
+  asserts that gpt-oss runs on one of a hard-coded list of backends (those
+  with sliding windows and attention sinks): an attnhost backend that
+  declares both passes that check (an AROUND hook on
+  ``attention_backends_of``, active only inside it, shows the check a listed
+  name in its place); one that does not is refused there by name, with what
+  it lacks. SGLang's own names meet SGLang's own check, untouched.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import multiprocessing
@@ -44,13 +55,22 @@ from attnhost.host import default_host, engine_load_failure
 from attnhost.platform import current_platform
 from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
 
-__all__ = ["adapter_factory", "current_plan", "install"]
+__all__ = ["adapter_factory", "capable_backends", "current_plan", "install"]
 
 logger = logging.getLogger("attnhost.engines.sglang")
 
 _DRAFT_RESOLVER = "sglang.srt.speculative.draft_worker_common.resolve_draft_worker_attention_backend"
 _COMPAT_STEP = "handle_attention_backend_compatibility"
 _DRAFT_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
+_DFLASH_DRAFT_STEP = "sglang.srt.arg_groups.speculative_hook._resolve_dflash_draft_attention_backend"
+_MODEL_STEP = "handle_model_specific_adjustments"
+_BACKENDS_OF = "sglang.srt.arg_groups.model_override_base.attention_backends_of"
+#: Models SGLang lets run only on a hard-coded list of its backends, with the capabilities that list stands for and
+#: a name on it the check is shown in an attnhost backend's place (``sglang/srt/arg_groups/model_hook.py``).
+_BACKEND_ALLOW_LISTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "GptOssForCausalLM": (("sinks", "sliding_window"), "triton"),
+}
+_stand_in: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("attnhost_stand_in", default=None)
 
 _lock = threading.Lock()
 _plan: ExportPlan | None = None
@@ -155,6 +175,7 @@ def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
             origin=origin,
             factory=factory,
             capabilities=capabilities_of(factory),
+            capable_peers=capable_backends,
         )
 
     create_attnhost_backend.__qualname__ = f"create_attnhost_backend[{backend.engine_name}]"
@@ -192,7 +213,10 @@ def _install_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     register_resolution_hook(_COMPAT_STEP)(_attention_compatibility)
+    register_resolution_hook(_MODEL_STEP)(_model_adjustments)
+    HookRegistry.register(_BACKENDS_OF, _backends_of, HookType.AROUND)
     HookRegistry.register(_DRAFT_RESOLVER, _resolve_draft_backend, HookType.AROUND)
+    HookRegistry.register(_DFLASH_DRAFT_STEP, _resolve_dflash_draft_backend, HookType.AROUND)
     HookRegistry.register(_DRAFT_FACTORY, _draft_backend, HookType.AROUND)
     from attnhost.engines.sglang.agreement import install_agreement_check  # every rank must agree (issue 25)
 
@@ -235,6 +259,73 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
             "attnhost_attention_backend_compatibility",
             cuda_graph_config=with_phase(config, phase, backend=Backend.DISABLED),
         )
+
+
+def capable_backends(features: tuple[str, ...]) -> list[str]:
+    """The exported attnhost backends (SGLang names) that declare every one of *features*."""
+    names = []
+    for name in sorted(_ours):
+        caps = _capabilities(name)
+        if caps is not None and all(getattr(caps, feature, False) for feature in features):
+            names.append(name)
+    return names
+
+
+def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> None:
+    """SGLang's model-specific step, with its backend allow-list for a model (gpt-oss) opened to the attnhost
+    backends that declare what the list stands for, and an attnhost backend that does not refused by name."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of, resolved_view
+
+    try:
+        architectures = model_config_of(server_args).hf_config.architectures or []
+    except Exception:  # no model config to read: SGLang's step says why, if it matters
+        architectures = []
+    listed = _BACKEND_ALLOW_LISTS.get(architectures[0]) if architectures else None
+    if listed is None:
+        previous(server_args)
+        return
+    needs, stand_in = listed
+    view = resolved_view(server_args)
+    names = {view.prefill_attention_backend or view.attention_backend,
+             view.decode_attention_backend or view.attention_backend}  # fmt: skip
+    ours = {}
+    for name in sorted(n for n in names if isinstance(n, str)):
+        caps = _capabilities(name)
+        if caps is None:
+            continue  # SGLang's own name: SGLang's own check
+        missing = [feature for feature in needs if not getattr(caps, feature)]
+        if missing:
+            capable = capable_backends(needs)
+            raise UnsupportedFeatureError(
+                f"attnhost backend {name!r} ({_origin(name)}) cannot serve {architectures[0]} "
+                f"({model_config_of(server_args).model_path}): the model needs {' and '.join(needs)}, and it does "
+                f"not declare {', '.join(missing)}; choose an --attention-backend that declares them"
+                + (f", e.g. {', '.join(capable)}" if capable else "")
+            )
+        ours[name] = stand_in
+    token = _stand_in.set(ours or None)
+    try:
+        previous(server_args)
+    finally:
+        _stand_in.reset(token)
+
+
+def _backends_of(original: Callable[..., tuple[Any, Any]], *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """SGLang's ``attention_backends_of``; inside :func:`_model_adjustments` only, a capable attnhost backend shows
+    the allow-list check the listed name standing for what it declares."""
+    prefill, decode = original(*args, **kwargs)
+    stand_in = _stand_in.get()
+    if stand_in is None:
+        return prefill, decode
+    return stand_in.get(prefill, prefill), stand_in.get(decode, decode)
+
+
+def _origin(name: str) -> str:
+    backend = _plan.by_engine_name(name) if _plan is not None else None
+    if backend is None:
+        return "attnhost"
+    entry = backend.entry
+    return plugin_label(entry.plugin, entry.distribution, entry.version)
 
 
 def _refuse_unsupported_trees(view: Any) -> None:
@@ -308,6 +399,54 @@ def _resolve_draft_backend(original: Callable[..., str], *args: Any, **kwargs: A
 
     answer = _plugin_fallback(get_spec().speculative_draft_attention_backend or attention_backends()[0])
     return answer if answer is not None else original(*args, **kwargs)
+
+
+def _resolve_dflash_draft_backend(original: Callable[..., None], server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """SGLang's DFLASH draft resolution, except that where SGLang would fall back to the platform's default, a
+    third-party plugin's ``attnhost_draft_fallback`` answer for this platform decides, with SGLang's warning.
+
+    SGLang settles a DFLASH draft's backend while it resolves the arguments (``_handle_dflash``), before its
+    draft-worker resolver runs, so the rule has to apply here; the resolver then keeps the settled name. What
+    "can draft" means is SGLang's own test for DFLASH: the platform's answer on an out-of-tree platform, else
+    SGLang's draft choices. Without a plugin's answer (or with one DFLASH cannot use), SGLang's step stands.
+    """
+    from sglang.srt.arg_groups.choices import DRAFT_ATTENTION_BACKEND_CHOICES
+    from sglang.srt.arg_groups.overrides import (
+        attention_backends_of,
+        declare_resolution,
+        resolved_view,
+        resolving_view,
+    )
+    from sglang.srt.platforms import current_platform as engine_platform
+
+    def drafts(name: str) -> bool:
+        if engine_platform.is_out_of_tree():
+            return bool(engine_platform.supports_speculative_draft_attention_backend("DFLASH", name))
+        return name in DRAFT_ATTENTION_BACKEND_CHOICES
+
+    named = resolving_view(server_args).speculative_draft_attention_backend
+    if named is None:
+        named, _ = attention_backends_of(resolved_view(server_args))
+    answer = None if named is not None and drafts(named) else third_party_draft_fallback()
+    if answer is None or not drafts(answer):
+        original(server_args, *args, **kwargs)
+        return
+    if named is not None:  # SGLang's own words for a fallback, from SGLang's logger
+        logging.getLogger("sglang.srt.arg_groups.speculative_hook").warning(
+            "DFLASH draft worker does not support attention_backend %r on %s. Falling back to '%s'.",
+            named,
+            type(engine_platform).__name__,
+            answer,
+        )
+    why = "no attention backend named" if named is None else f"{named!r} cannot draft for DFLASH"
+    _log_once(
+        logging.WARNING,
+        f"DFLASH draft: {why}; using {answer!r}, the draft fallback a plugin gives for {current_platform()} "
+        "(hook attnhost_draft_fallback)",
+    )
+    declare_resolution(
+        server_args, "_resolve_dflash_draft_attention_backend", speculative_draft_attention_backend=answer
+    )
 
 
 def _plugin_fallback(named: str | None) -> str | None:

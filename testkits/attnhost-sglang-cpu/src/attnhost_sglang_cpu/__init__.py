@@ -15,6 +15,8 @@ distribution's README.md). The parts:
 * :mod:`.shim`: the torchvision import shim;
 * :mod:`.tiny_model`: a tiny seeded Llama, tokenizer, draft models and HF's greedy ids;
 * :mod:`.run_engine` / :mod:`.launch_server`: drivers that run ``sglang.Engine`` and the HTTP server;
+* :mod:`.reference_check`: attnhost's float64 reference on SGLang's own dense batches, at attnhost's tolerance;
+* :mod:`.speculative_demo`: speculative decoding by hand in a real engine (docs/speculative-cpu.md);
 * :func:`sglang_env` and :mod:`.procs`: the environment and process-group helpers a test runs them with.
 
 This module imports neither torch nor SGLang.

@@ -140,3 +140,37 @@ def speculative_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         if role == "draft" and r["backend"] in child_ids:
             summary["children_modes"].add(r["mode"])
     return summary
+
+
+#: How much of a crashed engine's stderr a failure shows: the end, where the cause is.
+ENGINE_ERROR_LINES = 25
+
+
+def ids_mismatch(backend: str, case: str, got: list[list[int]], expected: list[list[int]]) -> str | None:
+    """``None`` when the engine's greedy ids equal HF's, else one sentence naming the backend, the case and each
+    differing prompt's first differing position (a list diff of every id would bury that)."""
+    if got == expected:
+        return None
+    if len(got) != len(expected):
+        return f"backend {backend!r}, {case}: {len(got)} outputs for {len(expected)} prompts"
+    where = []
+    for prompt, (mine, theirs) in enumerate(zip(got, expected, strict=True)):
+        if mine == theirs:
+            continue
+        shorter = min(len(mine), len(theirs))
+        position = next((i for i in range(shorter) if mine[i] != theirs[i]), shorter)
+        ours = mine[position] if position < len(mine) else "nothing"
+        hf = theirs[position] if position < len(theirs) else "nothing"
+        where.append(f"prompt {prompt} first differs at new token {position} (engine {ours}, HF {hf})")
+    return (
+        f"backend {backend!r}, {case}: greedy ids differ from HF transformers': {'; '.join(where)} (the engine "
+        "kit's dense cases, `-k test_sglang_dense_kit`, show whether the attention itself is off, and where)"
+    )
+
+
+def engine_failure(backend: str, case: str, error: str) -> str:
+    """The failure of an engine run that did not finish: the backend, the case, the end of the engine's stderr."""
+    lines = error.rstrip().splitlines()
+    tail = lines[-ENGINE_ERROR_LINES:]
+    cut = f"(last {len(tail)} of {len(lines)} lines)\n" if len(lines) > len(tail) else ""
+    return f"backend {backend!r}, {case}: sglang.Engine failed: {cut}" + "\n".join(tail)

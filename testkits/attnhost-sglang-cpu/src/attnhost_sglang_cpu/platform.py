@@ -36,8 +36,9 @@ from attnhost_sglang_cpu import PLATFORM_NAME, platform_selected
 #: Kept for callers of the old module: the entry-point name, also ``SGLANG_PLATFORM``'s value.
 NAME = PLATFORM_NAME
 
-#: The speculative algorithms allowed here: the ones whose worker runs on torch plus interpreted triton.
-SPECULATIVE_ALGORITHMS = frozenset({"STANDALONE", "EAGLE", "EAGLE3"})
+#: The speculative algorithms allowed here: the ones whose worker runs on torch plus interpreted triton (DFLASH
+#: with the scaffolding of :mod:`attnhost_sglang_cpu.dflash_plugin`).
+SPECULATIVE_ALGORITHMS = frozenset({"STANDALONE", "EAGLE", "EAGLE3", "DFLASH"})
 
 
 class AttnhostTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
@@ -62,7 +63,10 @@ class AttnhostTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return backend in DRAFT_ATTENTION_BACKEND_CHOICES
 
     def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
-        return "torch_native"
+        """SGLang's ``torch_native``, except for DFLASH, which checks its fallback against SGLang's draft choices
+        (``torch_native`` is not one): there SGLang's ``triton``, which DFLASH runs here under the triton
+        interpreter (with :mod:`attnhost_sglang_cpu.dflash_plugin`'s scaffolding)."""
+        return "triton" if algorithm.upper() == "DFLASH" else "torch_native"
 
     def get_kv_pool_cls(self, *, kind: Any) -> type | None:
         if kind != "mha":

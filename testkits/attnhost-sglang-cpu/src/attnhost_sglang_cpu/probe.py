@@ -105,6 +105,7 @@ def _after_init_attention_backends(result: object, runner: Any, *args: object, *
             "is_draft_worker": bool(getattr(runner, "is_draft_worker", False)),
             "backend": id(backend),
             "backend_class": _qualified(backend),
+            "kv_pool_class": _qualified(getattr(runner, "token_to_kv_pool", None)),
             "decode_backend_class": None if decode_backend is None else _qualified(decode_backend),
             "prefill_attention_backend_str": getattr(runner, "prefill_attention_backend_str", None),
             "decode_attention_backend_str": getattr(runner, "decode_attention_backend_str", None),

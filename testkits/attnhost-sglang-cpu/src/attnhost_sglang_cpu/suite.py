@@ -10,7 +10,10 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   exactly when draft-capable, and SGLang's own implementation of a clashing
   name kept;
 * SGLang's own dense attention kit, every case, in each dtype the backend
-  declares (the others skip with the reason), and its speculative verify kit
+  declares (the others skip with the reason), each case also held to
+  attnhost's float64 reference at the conformance kit's tolerance for the
+  dtype (:mod:`attnhost_sglang_cpu.reference_check`: SGLang's ``3e-2`` lets a
+  1 % error through), and its speculative verify kit
   for every verify input SGLang has (EAGLE, frozen-KV MTP, DFLASH, NGRAM;
   chains, and trees where the backend declares tree masks), with DFLASH's host
   lengths as a planning bound;
@@ -23,15 +26,24 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   tree when the backend declares tree masks: greedy ids equal HF's, with
   ``spec_verify_ct > 0``;
 * the same engine with tensor parallelism (``tp_size=2``, two CPU ranks): HF's
-  greedy ids, the adapter on every rank, and the ranks' agreement check passed.
+  greedy ids, the adapter on every rank, and the ranks' agreement check passed;
+* the attention variants (:mod:`.variant_models`): tiny Gemma 2 (soft-cap and
+  window), Gemma 3 (window) and gpt-oss (sinks and window, SGLang's hybrid
+  window pool) engines, prompts longer than the window, HF's greedy ids on a
+  first and a prefix-cached pass, for a backend that declares what the model
+  needs (the others skip, naming the flags).
 
 SGLang runs in this process for the first two (plugins loaded by SGLang's own
 ``load_plugins()``) and in spawned engine processes on the kit's CPU platform
-for the rest.
+for the rest. A failure is its message alone (``pytest.fail(...,
+pytrace=False)``), naming the backend, the case and the size of the error or
+the first differing position: the kit's and SGLang's frames would bury it, a
+backend failing every case in screens of them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -50,9 +62,19 @@ from sglang.srt.arg_groups import choices  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 
 from attnhost_sglang_cpu import tiny_model as tm  # noqa: E402
+from attnhost_sglang_cpu import variant_models as vm  # noqa: E402
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases, run_case  # noqa: E402
-from attnhost_sglang_cpu.e2e import ADAPTER, TinyModel, read_probe, run_engines, speculative_summary  # noqa: E402
+from attnhost_sglang_cpu.e2e import (  # noqa: E402
+    ADAPTER,
+    TinyModel,
+    engine_failure,
+    ids_mismatch,
+    read_probe,
+    run_engines,
+    speculative_summary,
+)
 from attnhost_sglang_cpu.mla_kit import ROPE_DIMS, mla_cases, run_mla_case  # noqa: E402
+from attnhost_sglang_cpu.reference_check import reference_problem  # noqa: E402
 from attnhost_sglang_cpu.run_engine import speculative_args  # noqa: E402
 from attnhost_sglang_cpu.spec_verify import (  # noqa: E402
     SPEC_VERIFY_KINDS,
@@ -113,16 +135,43 @@ def kit_draft(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyModel) ->
     return path
 
 
+def _short(check: Callable[[], None]) -> None:
+    """Run one of the kit's numeric checks; its failure (a message naming backend, case and error) is shown alone."""
+    message = _kit_failure(check)
+    if message is not None:
+        pytest.fail(message, pytrace=False)
+
+
+def _kit_failure(check: Callable[[], None]) -> str | None:
+    """The message of the kit's own failure of *check* (one that leads with ``backend``), or ``None`` if it
+    passed; any other error propagates, its traceback the only clue. Failing outside the ``except`` keeps
+    pytest from printing the caught error as well."""
+    try:
+        check()
+    except AssertionError as error:
+        if not str(error).startswith("backend "):
+            raise
+        return str(error)
+    return None
+
+
 def _engine(
-    model: TinyModel, backend: str, tmp: Path, env: dict[str, str] | None = None, **engine_args: Any
+    model: TinyModel, backend: str, case: str, tmp: Path, env: dict[str, str] | None = None, **engine_args: Any
 ) -> tuple[dict[str, Any], Path]:
     runs = run_engines(
         model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "engine_args": engine_args}], tmp,
         env=env if env is not None else (SPECULATIVE_ENV if engine_args else None),
     )  # fmt: skip
     result = runs.results[backend]
-    assert "error" not in result, f"sglang.Engine with attention backend {backend!r} failed:\n{result['error']}"
+    if "error" in result:
+        pytest.fail(engine_failure(backend, case, result["error"]), pytrace=False)
     return result, runs.probes[backend]
+
+
+def _same_ids(backend: str, case: str, result: dict[str, Any], model: TinyModel) -> None:
+    problem = ids_mismatch(backend, case, result["output_ids"], model.hf_ids)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 class TestSGLangEngine:
@@ -156,7 +205,12 @@ class TestSGLangEngine:
         if dtype_name not in declared:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {declared})")
         case = dense_cases(sglang_name(attnhost_backend_name))[case_index]
-        run_case(case, dtype)
+        sglang_failure = _kit_failure(lambda: run_case(case, dtype))  # SGLang's own check first: users know it
+        problem = reference_problem(case, dtype, attnhost_backend_name)
+        if sglang_failure is not None:  # with the mistake the output matches, when one does
+            pytest.fail(f"{sglang_failure}{'; ' + problem.why if problem and problem.why else ''}", pytrace=False)
+        if problem is not None:
+            pytest.fail(problem.message, pytrace=False)
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
     @pytest.mark.parametrize("kind", SPEC_VERIFY_KINDS, ids=[spec_verify_id(*kind) for kind in SPEC_VERIFY_KINDS])
@@ -173,7 +227,7 @@ class TestSGLangEngine:
         if topk > 1 and not capabilities.tree_mask:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
         case = spec_verify_case(sglang_name(attnhost_backend_name), (3, 30, 12), (4, 2), topk)
-        run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound)
+        _short(lambda: run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound))
 
     @pytest.mark.parametrize("rope", ROPE_DIMS, ids=[f"rope{r}" for r in ROPE_DIMS])
     @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
@@ -187,14 +241,12 @@ class TestSGLangEngine:
             pytest.skip(
                 f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
             )
-        run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope)
+        _short(lambda: run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope))
 
     def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
         backend = sglang_name(attnhost_backend_name)
-        result, probe = _engine(kit_model, backend, tmp_path)
-        assert result["output_ids"] == kit_model.hf_ids, (
-            f"greedy ids with {backend!r} differ from HF transformers': {result['output_ids']} != {kit_model.hf_ids}"
-        )
+        result, probe = _engine(kit_model, backend, "engine greedy ids", tmp_path)
+        _same_ids(backend, "engine greedy ids", result, kit_model)
         built = {r["backend_class"] for r in read_probe(probe) if r["event"] == "runner"}
         assert built == {ADAPTER}, f"the model runner built {built}, not attnhost's adapter"
 
@@ -202,10 +254,9 @@ class TestSGLangEngine:
         self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path
     ) -> None:
         backend = sglang_name(attnhost_backend_name)
-        result, probe = _engine(kit_model, backend, tmp_path, env=RANK_CPUS, tp_size=2)
-        assert result["output_ids"] == kit_model.hf_ids, (
-            f"tp_size=2 greedy ids with {backend!r} differ from HF transformers': {result['output_ids']}"
-        )
+        case = "tensor-parallel greedy ids (tp_size=2)"
+        result, probe = _engine(kit_model, backend, case, tmp_path, env=RANK_CPUS, tp_size=2)
+        _same_ids(backend, case, result, kit_model)
         ranks = {r["pid"] for r in read_probe(probe) if r["event"] == "runner" and r["backend_class"] == ADAPTER}
         assert len(ranks) == 2, f"attnhost's adapter ran in {len(ranks)} rank process(es), not 2"
 
@@ -218,9 +269,45 @@ class TestSGLangEngine:
         if not _entry(attnhost_backend_name).draft:
             pytest.skip(f"backend {attnhost_backend_name!r} is not draft-capable")
         backend = sglang_name(attnhost_backend_name)
-        result, probe = _engine(kit_model, backend, tmp_path, **speculative_args(str(kit_draft), topk=topk))
-        assert result["output_ids"] == kit_model.hf_ids
-        assert all(meta.get("spec_verify_ct", 0) > 0 for meta in result["meta_info"]), result["meta_info"]
+        case = f"speculative {'chain' if topk == 1 else 'tree'} (STANDALONE, topk {topk})"
+        result, probe = _engine(kit_model, backend, case, tmp_path, **speculative_args(str(kit_draft), topk=topk))
+        _same_ids(backend, case, result, kit_model)
+        unverified = [i for i, meta in enumerate(result["meta_info"]) if not meta.get("spec_verify_ct", 0) > 0]
+        if unverified:
+            pytest.fail(
+                f"backend {backend!r}, {case}: prompt(s) {unverified} were never verified (spec_verify_ct 0): the "
+                "engine did not decode speculatively",
+                pytrace=False,
+            )
         seen = speculative_summary(read_probe(probe))
-        assert {"EXTEND", "TARGET_VERIFY"} <= seen["modes"]["target"], seen
-        assert {"DRAFT_EXTEND_V2", "DECODE"} <= seen["modes"]["draft"], seen
+        for role, needed in (("target", {"EXTEND", "TARGET_VERIFY"}), ("draft", {"DRAFT_EXTEND_V2", "DECODE"})):
+            if not needed <= seen["modes"][role]:
+                pytest.fail(
+                    f"backend {backend!r}, {case}: the {role} model runner's backends ran "
+                    f"{sorted(seen['modes'][role])}, not {sorted(needed)}",
+                    pytrace=False,
+                )
+
+    @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
+    def test_engine_variant_model_greedy_ids_equal_hf(
+        self, attnhost_backend_name: str, kind: str, kit_model: TinyModel, tmp_path: Path
+    ) -> None:
+        capabilities = _capabilities(attnhost_backend_name)
+        missing = [flag for flag in vm.FEATURES[kind] if not getattr(capabilities, flag, False)]
+        if missing:
+            pytest.skip(
+                f"backend {attnhost_backend_name!r} does not declare {', '.join(missing)} (BackendCapabilities), "
+                f"which the tiny {kind} model needs"
+            )
+        model = vm.prepare_variant_model(kind, tmp_path / kind, NEW_TOKENS, tokenizer_from=kit_model.path)
+        backend = sglang_name(attnhost_backend_name)
+        runs = run_engines(
+            model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "passes": 2}], tmp_path, env=SPECULATIVE_ENV
+        )
+        result = runs.results[backend]
+        assert "error" not in result, f"sglang.Engine, tiny {kind} on {backend!r}, failed:\n{result['error']}"
+        passes = [result["output_ids"], *(later["output_ids"] for later in result["later_passes"])]
+        assert passes == [model.hf_ids, model.hf_ids], (
+            f"tiny {kind} on {backend!r}: greedy ids (first pass, prefix-cached pass) {passes} differ from HF "
+            f"transformers' {model.hf_ids}"
+        )
