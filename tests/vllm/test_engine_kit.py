@@ -21,15 +21,18 @@ from pathlib import Path
 import pytest
 from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES
 from attnhost_vllm_cpu.suite import MLA_CASES as KIT_MLA_CASES
+from attnhost_vllm_cpu.suite import VARIANT_CASES as KIT_VARIANT_CASES
 from distgen import make_dist
 
 KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
 #: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6); the MLA cases, skipped
-#: for a backend that does not declare mla
+#: for a backend that does not declare mla; the variant cases, skipped for a backend that declares no variant
 MLA_CASES = len(KIT_MLA_CASES)
-ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES
+VARIANT_CASES = len(KIT_VARIANT_CASES)
+ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES + VARIANT_CASES
 MLA_BACKENDS = {"torch_native", "batched_matmul"}  # the project backends that declare mla
+VARIANT_BACKENDS = {"torch_native", "batched_matmul"}  # those that declare every variant (the others declare none)
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''
@@ -123,8 +126,8 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
 def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: Path) -> None:
     status, output = one_command([name], tmp_path)
     assert status == 0, output[-4000:]
-    expected = {"passed": ALL_DTYPES} if name in MLA_BACKENDS else {"passed": ALL_DTYPES - MLA_CASES,
-                                                                   "skipped": MLA_CASES}  # fmt: skip
+    skipped = (0 if name in MLA_BACKENDS else MLA_CASES) + (0 if name in VARIANT_BACKENDS else VARIANT_CASES)
+    expected = {"passed": ALL_DTYPES - skipped, **({"skipped": skipped} if skipped else {})}
     assert counts(output) == expected, output[-2000:]
 
 

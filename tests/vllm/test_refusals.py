@@ -1,10 +1,12 @@
 """What the attnhost contract cannot express is refused with one error naming the backend and the feature.
 
 Three places, all vLLM's own: ``validate_configuration`` when vLLM selects
-the backend for a layer, the impl's constructor (per layer: ALiBi, sliding
-window, soft-cap, sinks, encoder/cross attention, KV sharing, fp8 KV), and
-the builder (per KV-cache group: MLA, sliding-window and cross-attention
-specs, quantized caches) — plus the layout check on the first forward.
+the backend for a layer, the impl's constructor (per layer: ALiBi,
+encoder/cross attention, KV sharing, fp8 KV), and the builder (per KV-cache
+group: MLA and cross-attention specs, quantized caches) — plus the layout
+check on the first forward. The attention variants a backend may declare
+(sliding windows, soft-caps, sinks, non-causal batches) are served or
+refused by what it declares: ``test_variants.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheLayout,
     MLAAttentionSpec,
-    SlidingWindowSpec,
 )
 
 from attnhost.engines.vllm.adapter import UnsupportedFeatureError
@@ -60,9 +61,6 @@ def assert_names_backend_and(feature: str, exc: BaseException) -> None:
     ("overrides", "feature"),
     [
         ({"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]}, "ALiBi"),
-        ({"sliding_window": 128}, "sliding-window attention"),
-        ({"logits_soft_cap": 30.0}, "logit soft-capping"),
-        ({"sinks": torch.zeros(4)}, "attention sinks"),
         ({"attn_type": AttentionType.ENCODER_DECODER}, "encoder_decoder attention"),
         ({"attn_type": AttentionType.ENCODER_ONLY}, "encoder_only attention"),
         ({"attn_type": AttentionType.ENCODER}, "encoder attention"),
@@ -87,14 +85,6 @@ def test_impl_accepts_a_plain_decoder_layer() -> None:
         (
             MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
             "MLA",
-        ),
-        (
-            SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64),
-            "sliding-window attention",
-        ),
-        (
-            FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=64),
-            "sliding-window",
         ),
         (CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32), "cross-attention"),
         (
@@ -142,11 +132,8 @@ def test_selection_accepts_what_the_backend_declares() -> None:
     ("overrides", "feature"),
     [
         ({"use_mla": True}, "MLA not supported"),
-        ({"has_sink": True}, "sinks not supported"),
-        ({"has_sliding_window": True}, "sliding window not supported"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype not supported"),
         ({"attn_type": AttentionType.ENCODER_DECODER}, "attention type"),
-        ({"use_non_causal": True}, "non-causal attention not supported"),
         ({"use_mm_prefix": True}, "multimodal"),
         ({"use_adaptive_verification": True}, "adaptive verification"),
     ],
@@ -184,17 +171,13 @@ def test_a_layout_without_a_zero_copy_view_is_refused() -> None:
     assert "VLLM_KV_CACHE_LAYOUT=LBNHC" in str(info.value)
 
 
-def test_non_causal_and_cross_attention_batches_are_refused() -> None:
+def test_cross_attention_batches_are_refused() -> None:
     cls = backend()
     case = make_case(BATCHES_DECODE, block_size=16, num_heads=4, num_kv_heads=2)
     builder = cls.get_builder_cls()(case.spec, ["layer.0"], VllmConfig(), "cpu")
-    for change, feature in (
-        ({"causal": False}, "non-causal"),
-        ({"encoder_seq_lens": torch.tensor([3, 3, 3, 3])}, "cross-attention"),
-    ):
-        with pytest.raises(UnsupportedFeatureError) as info:
-            builder.build(0, case.metadata.replace(**change))
-        assert_names_backend_and(feature, info.value)
+    with pytest.raises(UnsupportedFeatureError) as info:
+        builder.build(0, case.metadata.replace(encoder_seq_lens=torch.tensor([3, 3, 3, 3])))
+    assert_names_backend_and("cross-attention", info.value)
 
 
 def test_kv_update_bypass_is_refused() -> None:

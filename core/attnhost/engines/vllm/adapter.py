@@ -25,10 +25,13 @@ attnhost batch and the backend's per-batch metadata; the impl, per layer,
 slices the padded token rows off, calls the backend and copies the result
 into ``output``.
 
-Everything the attnhost contract cannot express is refused with one error
-naming the backend and the feature — by ``validate_configuration`` when
-vLLM selects the backend, and again when a layer or batch asks for it.
-Never a wrong number.
+Attention variants (sliding windows, logit soft-caps, sinks, non-causal
+batches) pass through as the backend declares them
+(:mod:`attnhost.engines.vllm.variants`). Everything the attnhost contract
+cannot express, or the backend does not declare, is refused with one error
+naming the backend and the feature — by vLLM's selector
+(``supports_*``, ``validate_configuration``) when it selects the backend,
+and again when a layer or batch asks for it. Never a wrong number.
 """
 
 from __future__ import annotations
@@ -58,14 +61,21 @@ from vllm.v1.kv_cache_interface import (
     KVCacheLayout,
     KVQuantMode,
     MLAAttentionSpec,
-    SlidingWindowSpec,
+    RSWASpec,
     is_quantized_kv_cache,
 )
 
-from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, build_backend, capabilities_of
+from attnhost.backend import AttentionBackend, BackendCapabilities, build_backend, capabilities_of
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.names import BACKENDS_MODULE
+from attnhost.engines.vllm.variants import (
+    WINDOWED_NON_CAUSAL,
+    LayerVariants,
+    explain_reason,
+    layer_variants,
+    non_causal_refusal,
+)
 from attnhost.errors import (
     BackendFailedError,
     BackendUnavailableError,
@@ -87,6 +97,7 @@ __all__ = [
     "AttnhostVLLMMetadataBuilder",
     "UnsupportedFeatureError",
     "VLLMKVCache",
+    "dense_backend_class",
     "make_backend_class",
 ]
 
@@ -135,7 +146,7 @@ class _Identity:
             return f"{reason}: {self.sibling_way_out(True) or 'it does not declare BackendCapabilities.mla'}"
         if reason == "non-MLA not supported" and self.sibling is not None:
             return f"{reason}: {self.sibling_way_out(False)}"
-        return reason
+        return explain_reason(reason, self.capabilities) or reason
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -181,6 +192,9 @@ class VLLMKVCache:
 class AttnhostVLLMMetadata:
     """Per-batch metadata: the attnhost batch (``None`` when no request runs) and the backend that planned it.
 
+    ``causal``: ``False`` for vLLM's non-causal batches (DFlash drafts), which the impl runs with the layer's
+    ``is_causal=False`` twin.
+
     ``written``: in a batch where vLLM marks some new tokens' slots ``-1`` (its drafter's rejected tokens, or tokens
     past the model's length, between other tokens), the rows that do have a slot and their slots; ``None`` when
     every new token has one. Such rows are written by the adapter itself, and the backend runs with
@@ -192,6 +206,7 @@ class AttnhostVLLMMetadata:
     backend: AttentionBackend
     num_actual_tokens: int
     written: tuple[torch.Tensor, torch.Tensor] | None = None
+    causal: bool = True
 
 
 class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM is untyped here
@@ -222,9 +237,24 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
         return False
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return cls.identity.capabilities.sinks and not cls.is_mla()
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return cls.identity.capabilities.sliding_window and not cls.is_mla()
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return cls.identity.capabilities.non_causal and not cls.is_mla()
+
+    @classmethod
     def validate_configuration(cls, *args: Any, **kwargs: Any) -> list[str]:
-        """vLLM's own checks against what this class declares, each reason naming the attnhost backend."""
+        """vLLM's own checks against what this class declares, each reason naming the attnhost backend (and the
+        capability flag that would answer it)."""
         reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
+        if kwargs.get("has_sliding_window") and kwargs.get("use_non_causal") and cls.supports_non_causal():
+            reasons.append(WINDOWED_NON_CAUSAL)
         return [f"{cls.identity.where}: {cls.identity.explain(reason)}" for reason in reasons]
 
 
@@ -249,6 +279,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self.block_size: int = kv_cache_spec.block_size
         self.dtype: torch.dtype = kv_cache_spec.dtype
         self.device = torch.device(device)
+        self._windowed = getattr(kv_cache_spec, "sliding_window", None) is not None
         self._is_draft = bool(kv_cache_spec.is_draft)
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
@@ -295,7 +326,9 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         fast_build: bool = False,
     ) -> AttnhostVLLMMetadata:
         m = common_attn_metadata
-        self._check_batch(m)
+        self._check_batch(m, non_causal=self.identity.capabilities.non_causal)
+        if m.causal is False and self._windowed:
+            raise self.identity.refuse(WINDOWED_NON_CAUSAL)
         starts, query_lens = self._query_lens(m)
         num_reqs = len(query_lens)
         if num_reqs == 0:
@@ -330,7 +363,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             self.attnhost_backend.init_forward_metadata(batch)
         except (Exception, SystemExit) as exc:
             raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
-        return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, _slotted_rows(batch.out_cache_loc))
+        written = _slotted_rows(batch.out_cache_loc)
+        return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, written, m.causal is True)
 
     def _req_to_token(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
         """``block_table`` at token level: entry ``[r, p]`` is the slot of token ``p`` of request ``r``."""
@@ -346,9 +380,13 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             self._rows = torch.arange(max(num_reqs, 2 * self._rows.numel()), dtype=torch.int64, device=self.device)
         return self._rows[:num_reqs]
 
-    def _check_batch(self, m: CommonAttentionMetadata) -> None:
+    def _check_batch(self, m: CommonAttentionMetadata, non_causal: bool = False) -> None:
+        """Refuse what no attnhost batch expresses; a non-causal batch (``causal=False``) only when ``non_causal``
+        says the caller serves it."""
         refuse = self.identity.refuse
-        if m.causal is not True:
+        if isinstance(m.causal, torch.Tensor):
+            raise refuse("per-request causality (a causal tensor in vLLM's metadata)")
+        if m.causal is not True and not non_causal:
             raise refuse("non-causal (bidirectional) attention")
         if m.encoder_seq_lens is not None:
             raise refuse("encoder-decoder cross-attention")
@@ -386,11 +424,12 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         **extra_impl_args: Any,
     ) -> None:
         refuse = self.identity.refuse
+        sinks = extra_impl_args.pop("sinks", None)  # a variant, served below; the rest must be absent
         refuse_impl_args(
             self.identity,
             alibi_slopes,
-            sliding_window,
-            logits_soft_cap,
+            None,
+            None,
             attn_type,
             kv_sharing_target_layer_name,
             kv_cache_dtype,
@@ -405,13 +444,19 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
-        self.layer = AttentionLayer(
-            layer_id=next(_layer_ids),
-            num_heads=num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=head_size,
-            scaling=self.scale,
+        self.variants: LayerVariants = layer_variants(
+            self.identity,
+            next(_layer_ids),
+            num_heads,
+            self.num_kv_heads,
+            head_size,
+            self.scale,
+            sliding_window,
+            logits_soft_cap,
+            sinks,
         )
+        self.layer = self.variants.layer
+        self.sinks = self.variants.sinks
 
     def forward(
         self,
@@ -434,7 +479,9 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             return output
         if key is None or value is None:
             raise self.identity.refuse("K/V written by a fused op before attention (the KV-cache update bypass)")
-        attn_layer = self.layer
+        attn_layer = self.layer if attn_metadata.causal else self.variants.bidirectional
+        if attn_layer is None:
+            raise non_causal_refusal(self.identity, self.variants)
         views = kv.views.get(attn_layer.layer_id)
         if views is None or views[2] is not kv_cache:
             kv.views[attn_layer.layer_id] = self._views(kv_cache)
@@ -444,7 +491,9 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             rows, slots = written
             kv.set_kv(attn_layer.layer_id, slots, key.index_select(0, rows), value.index_select(0, rows))
         try:  # free when nothing raises; a plugin's exception gets the one line naming it
-            out = attn_metadata.backend.forward(query[:n], key[:n], value[:n], attn_layer, batch, written is None)
+            out = attn_metadata.backend.forward(
+                query[:n], key[:n], value[:n], attn_layer, batch, written is None, sinks=self.sinks
+            )
         except (Exception, SystemExit) as exc:
             raise self.identity.failed("forward", batch, attn_layer.layer_id, exc) from exc
         output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
@@ -495,7 +544,7 @@ def refuse_impl_args(
     if logits_soft_cap:
         raise refuse(f"logit soft-capping (logits_soft_cap={logits_soft_cap})")
     if attn_type != AttentionType.DECODER:
-        raise refuse(f"{AttentionType(attn_type).value} attention (it computes causal decoder self-attention)")
+        raise refuse(f"{AttentionType(attn_type).value} attention (it computes decoder self-attention)")
     if kv_sharing_target_layer_name is not None:
         raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
     if is_quantized_kv_cache(kv_cache_dtype):
@@ -527,19 +576,23 @@ def _check_spec(identity: _Identity, spec: Any) -> None:
             raise refuse("MLA (multi-head latent attention) under its dense name", way_out)
         raise refuse("MLA (multi-head latent attention): it does not declare BackendCapabilities.mla")
     for kind, feature in (
-        (SlidingWindowSpec, "sliding-window attention"),
         (ChunkedLocalAttentionSpec, "chunked local attention"),
         (CrossAttentionSpec, "encoder-decoder cross-attention"),
         (EncoderOnlyAttentionSpec, "encoder-only (bidirectional) attention"),
+        (RSWASpec, "reference sliding-window attention (R-SWA)"),
     ):
         if isinstance(spec, kind):
             raise refuse(feature)
     if not isinstance(spec, AttentionSpec):
         raise refuse(f"vLLM's {type(spec).__name__} KV-cache groups (it reads attention KV caches)")
-    if isinstance(spec, FullAttentionSpec) and (spec.sliding_window is not None or spec.attention_chunk_size):
-        raise refuse("sliding-window or chunked local attention")
-    if isinstance(spec, FullAttentionSpec) and spec.non_causal:
-        raise refuse("non-causal (bidirectional) attention")
+    capabilities = identity.capabilities
+    window = getattr(spec, "sliding_window", None)
+    if window is not None and not capabilities.sliding_window:
+        raise refuse(f"sliding-window attention (vLLM sliding_window={window}; it does not declare sliding_window)")
+    if isinstance(spec, FullAttentionSpec) and spec.attention_chunk_size:
+        raise refuse("chunked local attention")
+    if getattr(spec, "non_causal", False) and not capabilities.non_causal:
+        raise refuse("non-causal (bidirectional) attention (it does not declare non_causal)")
     if spec.head_size_v != spec.head_size:
         raise refuse(f"a V head size ({spec.head_size_v}) unlike the QK head size ({spec.head_size})")
     if spec.kv_quant_mode != KVQuantMode.NONE:
@@ -590,7 +643,12 @@ def make_backend_class(
 ) -> type[AttnhostVLLMBackend]:
     """The vLLM backend class for one vLLM name: its own backend, builder and impl subclasses (``sibling``: the
     vLLM name of the backend's MLA twin, if it has one)."""
-    identity = make_identity(engine_name, backend, sibling)
+    return dense_backend_class(make_identity(engine_name, backend, sibling))
+
+
+def dense_backend_class(identity: _Identity) -> type[AttnhostVLLMBackend]:
+    """The dense backend class, with its own builder and impl subclasses, for the backend ``identity`` names."""
+    engine_name = identity.engine_name
     impl = named_class(identity, AttnhostVLLMImpl, "Impl", {})
     builder = named_class(identity, AttnhostVLLMMetadataBuilder, "Builder", {})
     cls: type[AttnhostVLLMBackend] = named_class(

@@ -20,7 +20,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType
 
-from attnhost_vllm_cpu.kit import Case, make_case
+from attnhost_vllm_cpu.kit import PLAIN, Case, Variant, make_case
 
 __all__ = [
     "ATOL",
@@ -28,6 +28,8 @@ __all__ = [
     "BLOCK_SIZES",
     "DTYPES",
     "SHAPES",
+    "VARIANTS",
+    "VARIANT_BLOCK_SIZES",
     "ForwardCase",
     "check",
     "dtype_name",
@@ -50,6 +52,27 @@ SHAPES: dict[str, tuple[int, int]] = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1
 """(query heads, KV heads)."""
 BLOCK_SIZES = (1, 4, 16)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WINDOW = 8
+"""vLLM's window (keys a query sees, itself included) in the windowed cases: shorter than most prefixes."""
+VARIANTS: dict[str, tuple[list[tuple[int, int]], Variant]] = {
+    # decode at the window's edge: sequences of W - 1, W, W + 1 keys and one far longer (W + 1 and W - 1 keys
+    # instead of W both fail here)
+    "window-decode-edge": ([(WINDOW - 2, 1), (WINDOW - 1, 1), (WINDOW, 1), (40, 1)], Variant(sliding_window=WINDOW)),
+    # extend over a prefix the window crosses, a prefill longer than the window, a prefix shorter than it
+    "window-extend": ([(16, 4), (5, 9), (33, 2), (0, 12)], Variant(sliding_window=WINDOW)),
+    "window-longer-than-sequences": ([(16, 4), (8, 9), (33, 2)], Variant(sliding_window=64)),
+    "softcap": ([(9, 1), (0, 6), (21, 1), (13, 5)], Variant(logits_soft_cap=1.5)),
+    "sinks": ([(9, 1), (0, 6), (21, 1), (13, 5)], Variant(sinks=True)),
+    "window-softcap-sinks": ([(16, 4), (WINDOW, 1), (33, 2), (0, 10)],
+                             Variant(sliding_window=WINDOW, logits_soft_cap=1.5, sinks=True)),
+    # vLLM's non-causal batch (a DFlash draft's block over its context): every key of the request, both ways
+    "non-causal": ([(16, 4), (8, 9), (0, 6)], Variant(causal=False)),
+    "non-causal-softcap-sinks": ([(16, 4), (0, 6)], Variant(logits_soft_cap=1.5, sinks=True, causal=False)),
+}  # fmt: skip
+"""``(cached prefix, new tokens)`` per request and the layers' variant, for each variant case (8 heads / 2 KV
+heads; the windows in vLLM's terms, ``W`` keys)."""
+VARIANT_BLOCK_SIZES = (1, 16)
+"""Block size 1 nulls every token before a window; 16 keeps whole blocks of keys outside it readable."""
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Tolerance against the float64 reference (absolute, and as much again relative to the reference)."""
 
@@ -67,11 +90,22 @@ class ForwardCase:
     block_size: int
     dtype: torch.dtype
     layout: str = "LBNHC"
+    variant: str | None = None
+    """A key of :data:`VARIANTS` (its requests replace ``batch``'s), or ``None`` for plain causal attention."""
+
+    @property
+    def requests(self) -> list[tuple[int, int]]:
+        return BATCHES[self.batch] if self.variant is None else VARIANTS[self.variant][0]
+
+    @property
+    def attention(self) -> Variant:
+        return PLAIN if self.variant is None else VARIANTS[self.variant][1]
 
     def describe(self) -> str:
         heads, kv_heads = SHAPES[self.shape]
+        what = f"{self.batch} batch" if self.variant is None else f"{self.variant} ({self.attention.describe()}) batch"
         return (
-            f"{self.batch} batch {BATCHES[self.batch]}, {heads} heads / {kv_heads} KV heads, block size "
+            f"{what} {self.requests}, {heads} heads / {kv_heads} KV heads, block size "
             f"{self.block_size}, {dtype_name(self.dtype)}, {self.layout} KV cache"
         )
 
@@ -80,8 +114,9 @@ class ForwardCase:
 
         heads, kv_heads = SHAPES[self.shape]
         return make_case(
-            BATCHES[self.batch], block_size=self.block_size, num_heads=heads, num_kv_heads=kv_heads,
+            self.requests, block_size=self.block_size, num_heads=heads, num_kv_heads=kv_heads,
             dtype=self.dtype, layout=KVCacheLayout[self.layout], rejected=REJECTED.get(self.batch),
+            variant=self.attention,
         )  # fmt: skip
 
 
@@ -99,13 +134,16 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
     except Exception as exc:
         raise AssertionError(f"{what}: the metadata builder raised {type(exc).__name__}: {exc}") from exc
     outputs = []
+    variant = case.variant
     for layer, cache in enumerate(case.caches):
         q, k, v = case.layer_inputs(layer, dtype)
         output = torch.full((q.shape[0], case.num_heads, spec.head_size), float("nan"), dtype=dtype)
+        # vLLM's sinks are the model's parameter, in the model's dtype
+        extra = {} if case.sinks is None else {"sinks": case.sinks[layer].to(dtype)}
         try:
             impl = cls.get_impl_cls()(  # type: ignore[attr-defined]
                 case.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
-                None, None, "auto", None, AttentionType.DECODER, None,
+                None, variant.sliding_window, "auto", variant.logits_soft_cap, AttentionType.DECODER, None, **extra,
             )  # fmt: skip
             with torch.no_grad():
                 returned = impl.forward(None, q, k, v, cache, metadata, output=output)

@@ -8,13 +8,22 @@ per-layer ``[blocks, kv_heads, block_size, 2 * head_size]`` views in the
 requested physical layout). The test writes the cached prefix through that
 *logical* view, by (block, head, offset), and reads new tokens back the
 same way, so it does not share the adapter's flat-view arithmetic. The
-reference attention never touches the cache at all: it runs in float64 on
-each request's whole K/V sequence.
+reference attention never touches the cache at all: it is attnhost's float64
+reference (:func:`attnhost.testing.reference.reference_request_attention`)
+on each request's whole K/V sequence, with the layer's variant.
+
+A case may carry an attention variant as vLLM asks for it (:class:`Variant`):
+a sliding window makes the group vLLM's ``SlidingWindowSpec`` and, as vLLM's
+sliding-window manager does, points the block-table entries wholly before a
+request's window at the null block (block 0, stale data): a backend that
+reads a key outside the window reads garbage. Sinks are one logit per query
+head and layer, one of them ``-inf`` (vLLM's value for a sink never loaded);
+a non-causal case is vLLM's ``causal=False`` batch over a ``non_causal``
+full-attention group (DFlash drafts).
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,14 +32,18 @@ from typing import Protocol
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheLayout,
     KVCacheTensor,
+    SlidingWindowSpec,
     compute_layout_strides,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
+
+from attnhost.testing.reference import reference_request_attention
 
 BATCHES_DECODE = [(5, 1), (17, 1), (1, 1), (40, 1)]
 
@@ -39,7 +52,7 @@ PAD_SLOT = -1
 
 
 def allocate(
-    spec: FullAttentionSpec, layer_names: list[str], num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC
+    spec: AttentionSpec, layer_names: list[str], num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LBNHC
 ) -> dict[str, torch.Tensor]:
     """vLLM's own KV-cache allocation for one group of layers."""
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, len(layer_names), layout)
@@ -56,7 +69,45 @@ def allocate(
     return caches
 
 
-__all__ = ["BATCHES_DECODE", "PAD_SLOT", "Case", "Request", "allocate", "layer_caches", "make_case"]
+__all__ = ["BATCHES_DECODE", "PAD_SLOT", "PLAIN", "Case", "Request", "Variant", "allocate", "layer_caches", "make_case"]
+
+NULL_BLOCK = 0
+"""vLLM's null block: where its sliding-window manager points the block-table entries it freed."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A layer's attention variant as vLLM's ``Attention`` layer hands it to the impl, and the batch's causality."""
+
+    sliding_window: int | None = None
+    """vLLM's (HF's) window ``W``: a query sees ``W`` keys, itself included (attnhost's ``sliding_window_size``
+    is ``W - 1``)."""
+    logits_soft_cap: float | None = None
+    sinks: bool = False
+    causal: bool = True
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The ``BackendCapabilities`` flags a backend must declare to run it."""
+        needs = (
+            ("sliding_window", self.sliding_window is not None),
+            ("logit_cap", bool(self.logits_soft_cap)),
+            ("sinks", self.sinks),
+            ("non_causal", not self.causal),
+        )
+        return tuple(flag for flag, needed in needs if needed)
+
+    def describe(self) -> str:
+        parts = [
+            *([f"sliding_window={self.sliding_window}"] if self.sliding_window is not None else []),
+            *([f"logits_soft_cap={self.logits_soft_cap:g}"] if self.logits_soft_cap else []),
+            *(["sinks"] if self.sinks else []),
+            *(["causal=False"] if not self.causal else []),
+        ]
+        return ", ".join(parts) or "plain causal"
+
+
+PLAIN = Variant()
 
 
 @dataclass
@@ -86,12 +137,15 @@ class Request:
 class Case:
     """A batch with its prefixes in vLLM's cache, vLLM's metadata for it, and the float64 reference."""
 
-    spec: FullAttentionSpec
+    spec: AttentionSpec
     num_heads: int
     requests: list[Request]
     caches: list[torch.Tensor]
     metadata: CommonAttentionMetadata
     padding: int
+    variant: Variant = PLAIN
+    sinks: list[torch.Tensor] | None = None
+    """Per layer, the ``[num_heads]`` sink logits (float64, rounded to the case's dtype) when the variant has sinks."""
 
     @property
     def block_size(self) -> int:
@@ -117,17 +171,18 @@ class Case:
         return padded(q), padded(k), padded(v)
 
     def reference(self, layer: int) -> torch.Tensor:
-        """float64 causal attention over each request's whole sequence (GQA by repeating KV heads)."""
-        group = self.num_heads // self.spec.num_kv_heads
-        scale = 1.0 / math.sqrt(self.spec.head_size)
+        """attnhost's float64 reference over each request's whole sequence, with the case's variant."""
+        variant = self.variant
+        window = -1 if variant.sliding_window is None else variant.sliding_window - 1
+        sinks = None if self.sinks is None else self.sinks[layer]
         outs = []
         for r in self.requests:
-            keys = r.k[layer].repeat_interleave(group, dim=1)
-            values = r.v[layer].repeat_interleave(group, dim=1)
-            scores = torch.einsum("thd,shd->hts", r.q[layer], keys) * scale
-            allowed = torch.arange(r.seq)[None, :] <= (r.prefix + torch.arange(r.query))[:, None]
-            weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            outs.append(torch.einsum("hts,shd->thd", weights, values))
+            out = reference_request_attention(
+                r.q[layer], r.k[layer], r.v[layer], prefix_len=r.prefix, scaling=self.spec.head_size**-0.5,
+                sliding_window_size=window, logit_cap=variant.logits_soft_cap or 0.0, sinks=sinks,
+                causal=variant.causal,
+            )  # fmt: skip
+            outs.append(out)
         return torch.cat(outs)
 
     def cached(self, layer: int, request: Request, position: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +194,7 @@ class Case:
 
 
 def layer_caches(
-    spec: FullAttentionSpec,
+    spec: AttentionSpec,
     requests: Sequence[tuple[int, int]],
     num_layers: int,
     layout: KVCacheLayout,
@@ -174,12 +229,24 @@ def make_case(
     padding: int = 3,
     seed: int = 0,
     rejected: list[int] | None = None,
+    variant: Variant = PLAIN,
 ) -> Case:
     """A batch of ``(prefix_len, query_len)`` requests with their prefixes already in vLLM's cache; ``rejected``:
-    per request, how many of its last new tokens vLLM's drafter marked rejected (slot ``-1``)."""
+    per request, how many of its last new tokens vLLM's drafter marked rejected (slot ``-1``); ``variant``: the
+    layers' attention variant and the batch's causality."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    spec: AttentionSpec
+    if variant.sliding_window is not None:
+        spec = SlidingWindowSpec(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            sliding_window=variant.sliding_window,
+        )  # fmt: skip
+    else:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            non_causal=not variant.causal,
+        )  # fmt: skip
     free, caches = layer_caches(spec, requests, num_layers, layout, rng if shuffle_blocks else None, gen)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -200,7 +267,13 @@ def make_case(
                 rejected=dropped,
             )
         )
-    case = Case(spec, num_heads, reqs, caches, _metadata(reqs, block_size, padding), padding)
+    retained = None if variant.sliding_window is None else variant.sliding_window - 1
+    metadata = _metadata(reqs, block_size, padding, retained=retained, causal=variant.causal)
+    sinks = None
+    if variant.sinks:  # a spread of about N(0, 2^2), as trained sinks have, and one -inf (a sink never loaded)
+        sinks = [(randn(num_heads) * 2).to(dtype).to(torch.float64) for _ in range(num_layers)]
+        sinks[0][0] = float("-inf")
+    case = Case(spec, num_heads, reqs, caches, metadata, padding, variant, sinks)
     for layer, cache in enumerate(caches):
         for r in reqs:
             for p in range(r.prefix):
@@ -227,8 +300,13 @@ class Placed(Protocol):
     def written(self, position: int) -> bool: ...
 
 
-def _metadata(reqs: Sequence[Placed], block_size: int, padding: int) -> CommonAttentionMetadata:
-    """vLLM's CommonAttentionMetadata for the batch: int32 lengths and block table, int64 slot mapping."""
+def _metadata(
+    reqs: Sequence[Placed], block_size: int, padding: int, *, retained: int | None = None, causal: bool = True
+) -> CommonAttentionMetadata:
+    """vLLM's CommonAttentionMetadata for the batch: int32 lengths and block table, int64 slot mapping.
+
+    ``retained``: a sliding-window group keeps this many tokens before each request's first new one (``W - 1``);
+    the block-table entries wholly before them point at the null block, as vLLM's worker leaves them."""
     starts = [0]
     for r in reqs:
         starts.append(starts[-1] + r.query)
@@ -237,6 +315,8 @@ def _metadata(reqs: Sequence[Placed], block_size: int, padding: int) -> CommonAt
     table[len(reqs) :] = 7
     for i, r in enumerate(reqs):
         table[i, : len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+        if retained is not None:
+            table[i, : max(0, r.prefix - retained) // block_size] = NULL_BLOCK
     slots = [
         r.blocks[p // block_size] * block_size + p % block_size if r.written(p) else PAD_SLOT
         for r in reqs
@@ -253,4 +333,5 @@ def _metadata(reqs: Sequence[Placed], block_size: int, padding: int) -> CommonAt
         max_seq_len=max(r.seq for r in reqs),
         block_table_tensor=table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        causal=causal,
     )

@@ -20,6 +20,15 @@ has no CPU ``vllm._C``, so no model runs; against each backend, what does:
   sizes 1, 4 and 16, against a float64 reference, in each dtype NAME declares
   (the others skip with the reason), K/V written exactly where
   ``slot_mapping`` says and nowhere else;
+* the attention variants vLLM hands an impl (``sliding_window``,
+  ``logits_soft_cap``, ``sinks``) and its non-causal batches: a windowed
+  decode at the window's edge, an extend over a prefix the window crosses
+  (vLLM's ``SlidingWindowSpec``, the entries before each window pointing at
+  the null block), a window longer than every sequence, a soft-cap, sinks,
+  their combination and non-causal batches, block sizes 1 and 16, each
+  declared dtype, against attnhost's float64 reference; a variant NAME does
+  not declare skips, naming the flag (vLLM's selector and the impl refuse
+  such layers at start-up);
 * every vLLM KV-cache layout: computed right where the adapter declares the
   layout; elsewhere computed right or refused with one error naming NAME and
   the layout, never computed wrong;
@@ -58,7 +67,17 @@ from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBacken
 from vllm.v1.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 from attnhost_vllm_cpu import config as vllm_config  # noqa: E402
-from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES, ForwardCase, check, dtype_name  # noqa: E402
+from attnhost_vllm_cpu.forward import (  # noqa: E402
+    BATCHES,
+    BLOCK_SIZES,
+    DTYPES,
+    SHAPES,
+    VARIANT_BLOCK_SIZES,
+    VARIANTS,
+    ForwardCase,
+    check,
+    dtype_name,
+)
 from attnhost_vllm_cpu.mla import MLA_BATCHES, MLA_SHAPE, mla_check, one_rank_group  # noqa: E402
 from attnhost_vllm_cpu.registration import (  # noqa: E402
     ENTRY_POINT,
@@ -82,6 +101,13 @@ FORWARD_CASES = [
     for shape in SHAPES
     for block in BLOCK_SIZES
 ]
+VARIANT_CASES = [
+    pytest.param(ForwardCase("mixed", "gqa", block, dtype, variant=variant),
+                 id=f"{variant}-block{block}-{dtype_name(dtype)}")
+    for dtype in DTYPES
+    for variant in VARIANTS
+    for block in VARIANT_BLOCK_SIZES
+]  # fmt: skip
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 MLA_BLOCK_SIZES = (1, 16)
 MLA_CASES = [
@@ -237,6 +263,25 @@ class TestVllmEngine:
     def test_forward(self, attnhost_backend_name: str, fcase: ForwardCase) -> None:
         backend = _backend(attnhost_backend_name)
         declared = _declared_dtypes(backend)
+        if dtype_name(fcase.dtype) not in declared:
+            pytest.skip(
+                f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
+            )
+        failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
+        if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
+
+    @pytest.mark.parametrize("fcase", VARIANT_CASES)
+    def test_variant(self, attnhost_backend_name: str, fcase: ForwardCase) -> None:
+        backend = _backend(attnhost_backend_name)
+        capabilities = _capabilities(backend)
+        for flag in fcase.attention.features:
+            if not getattr(capabilities, flag):
+                pytest.skip(
+                    f"backend {backend.attnhost_name!r} does not declare {flag} (capabilities.{flag} = False): "
+                    "vLLM refuses such layers when it builds the model"
+                )
+        declared = tuple(capabilities.dtypes)
         if dtype_name(fcase.dtype) not in declared:
             pytest.skip(
                 f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
