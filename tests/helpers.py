@@ -14,13 +14,31 @@ from typing import Any
 from distgen import make_dist
 
 GROUP = "sglang.draft_attention_backends"
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def doc(page: str) -> str:
+    """One page of the docs site (``docs/PAGE``), as a reader gets it."""
+    return (DOCS / page).read_text(encoding="utf-8")
+
+
+def reader_pages() -> dict[str, str]:
+    """Everything a user reads: the README (the front page) and every page of the docs site, by path."""
+    pages = {"README.md": README.read_text(encoding="utf-8")}
+    pages.update({f"docs/{path.name}": path.read_text(encoding="utf-8") for path in sorted(DOCS.glob("*.md"))})
+    return pages
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of whitespace one space: prose checks must not pin where a line breaks."""
+    return " ".join(text.split())
 
 
 def plugin_guide() -> str:
-    """The README's plugin guide: what a plugin author follows, so what the tests build plugins from."""
-    text = README.read_text()
-    return text[text.index("<!-- plugin-guide:start -->") : text.index("<!-- plugin-guide:end -->")]
+    """The plugin guide: what a plugin author follows, so what the tests build plugins from."""
+    return doc("plugin-guide.md")
 
 
 def guide_block(guide: str, first_line: str) -> str:

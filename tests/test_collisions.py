@@ -1,6 +1,6 @@
 """Name collisions between real plugin distributions: reported naming both sides, resolved deterministically.
 
-The documented outcome (README, "Collisions and broken plugins"): plugins
+The documented outcome (docs/collisions.md): plugins
 register in a fixed order — the built-ins first, then plugins sorted by
 entry-point name — whatever the order on ``sys.path``. The first registrant
 keeps a name; a declared-only name may be given an implementation by a later

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import importlib_metadata
 import pytest
-from helpers import README, make_plugin, run_cli, subprocess_env
+from helpers import README, flat, make_plugin, reader_pages, run_cli, subprocess_env
 
 from attnhost.platform import TORCH_HINT
 
@@ -74,17 +74,18 @@ def test_every_torch_advice_is_the_cpu_build_one(torchless: Path, tmp_path: Path
     assert json.loads(acme.stdout)["backend"]["reason"] == f"module 'torch' is not installed: {TORCH_HINT}"
 
 
-def test_the_readme_gives_the_same_advice_and_says_what_a_fresh_machine_does() -> None:
-    text = README.read_text(encoding="utf-8")
-    flat = " ".join(text.split())
-    assert CPU_INDEX in flat
-    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tox" in flat
-    blocks = re.findall(r"```(?:bash|console)\n(.*?)```", text, re.S)
-    commands = [line.split("  #")[0] for block in blocks for line in block.splitlines() if not line.startswith("#")]
-    installs = [line for line in commands if re.search(r"pip install torch\b", line)]
-    assert installs, "the README lost its torch install commands"
-    for line in installs:  # a pin alone, from PyPI, is the CUDA build
-        assert "--index-url https://download.pytorch.org/whl/cpu" in line, line
+def test_the_docs_give_the_same_advice_and_say_what_a_fresh_machine_does() -> None:
+    front = flat(README.read_text(encoding="utf-8"))  # the two commands' section says it, where a newcomer starts
+    assert CPU_INDEX in front
+    assert "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu tox" in front
+    installs = []
+    for page, text in reader_pages().items():
+        blocks = re.findall(r"```(?:bash|console)\n(.*?)```", text, re.S)
+        commands = [line.split("  #")[0] for block in blocks for line in block.splitlines() if not line.startswith("#")]
+        installs += [(page, line) for line in commands if re.search(r"pip install torch\b", line)]
+    assert installs, "the docs lost their torch install commands"
+    for page, line in installs:  # a pin alone, from PyPI, is the CUDA build
+        assert "--index-url https://download.pytorch.org/whl/cpu" in line, f"{page}: {line}"
 
 
 def test_list_available_json_has_one_shape_with_and_without_torch(torchless: Path) -> None:

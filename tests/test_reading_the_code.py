@@ -1,4 +1,4 @@
-"""Reading the code (issue 23, points 14-16): the README leads to every module, no import circle, no stale counts."""
+"""Reading the code: the docs lead to every module, no import circle, no stale counts."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+from helpers import ROOT, doc, plugin_guide, reader_pages
+
 CORE = ROOT / "core" / "attnhost"
-README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _module(path: Path) -> str:
@@ -64,7 +64,8 @@ def test_the_core_has_no_import_circle() -> None:
 
 
 def test_the_module_table_names_where_engines_are_bridged() -> None:
-    table = README[README.index("| module | job |") :].split("\n\n")[0]
+    architecture = doc("architecture.md")
+    table = architecture[architecture.index("| module | job |") :].split("\n\n")[0]
     for module in ("engines.export", "engines.runner_view", "engines.sglang.bridge", "engines.sglang.adapter"):
         assert f"`attnhost.{module}`" in table, module
     assert "`attnhost.engines.vllm.bridge`" in table and "`attnhost.kv_cache`" in table
@@ -72,8 +73,9 @@ def test_the_module_table_names_where_engines_are_bridged() -> None:
     assert "attnhost.engines.sglang.bridge" in resolution and "resolver" in resolution
 
 
-def test_the_readme_quotes_no_test_counts_and_warns_about_the_checkout_directory() -> None:
-    assert not re.search(r"\b\d+ passed\b|\bruns \d+ tests\b", README), "a test count goes stale; say no number"
-    guide = README[README.index("## Writing a backend plugin") :]
+def test_the_docs_quote_no_test_counts_and_warn_about_the_checkout_directory() -> None:
+    for page, text in reader_pages().items():
+        assert not re.search(r"\b\d+ passed\b|\bruns \d+ tests\b", text), f"{page}: a test count goes stale"
+    guide = plugin_guide()
     assert "cannot import name '__version__' from 'attnhost' (unknown location)" in guide
     assert "python -m pytest" in guide and "python -m attnhost" in guide

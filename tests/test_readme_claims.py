@@ -1,5 +1,5 @@
-"""What the README shows is what a reader gets: the `resolve` example's output, the plugin guide's install steps and
-the errors it quotes, and no timing without the benchmark that measures it.
+"""What the README and the docs show is what a reader gets: the commands' outputs they print, the plugin guide's
+install steps and the errors it quotes, and no timing without the benchmark that measures it.
 
 The quoted errors come from a real editable install (``pip install -e``) of a copy of this checkout named
 ``attnhost``, run from the directory holding it, in an environment whose only attnhost is that install.
@@ -16,32 +16,38 @@ from pathlib import Path
 
 import importlib_metadata
 import pytest
-from helpers import README, plugin_guide, run_cli, subprocess_env
-
-ROOT = README.parent
+from helpers import ROOT, flat, plugin_guide, reader_pages, run_cli, subprocess_env
 
 
-def _flat(text: str) -> str:
-    return " ".join(text.split())
+def _shown_outputs() -> list[tuple[str, str, str]]:
+    """(page, command, output) for every ``$ attnhost ...`` line of a console block that is followed by its output;
+    an output holding ``...`` is an excerpt, not a whole output, and is left out."""
+    shown = []
+    for page, text in reader_pages().items():
+        for block in re.findall(r"```console\n(.*?)```", text, re.S):
+            for match in re.finditer(r"^\$ (attnhost .*?)(?:\s+#.*)?\n((?:(?!\$ ).*\n)+)", block, re.M):
+                if "..." not in match.group(2):
+                    shown.append((page, match.group(1), match.group(2)))
+    return shown
 
 
-def test_the_resolve_example_is_what_it_prints() -> None:
-    pytest.importorskip("torch")  # the example says: with torch installed
-    text = README.read_text(encoding="utf-8")
-    command = "$ attnhost resolve --attention-backend torch_native --platform rocm\n"
-    start = text.index(command) + len(command)
-    shown = text[start : text.index("```", start)]
-    result = run_cli(*command.split()[2:], env={"COLUMNS": "80"})
-    assert result.returncode == 0, result.stderr
-    assert result.stdout == shown, (
-        "README.md's `attnhost resolve` example is not what the command prints at 80 columns; paste its output:\n"
-        + result.stdout
-    )
+def test_the_outputs_shown_are_what_the_commands_print() -> None:
+    pytest.importorskip("torch")  # the examples are run with torch installed, on a CPU
+    shown = _shown_outputs()
+    commands = {command for _, command, _ in shown}
+    assert "attnhost resolve --attention-backend torch_native --platform rocm" in commands, commands
+    assert any(page == "README.md" for page, _, _ in shown), "the front page's session shows no output"
+    for page, command, output in shown:
+        result = run_cli(*command.split()[1:], env={"COLUMNS": "80", "ATTNHOST_PLATFORM": "cpu"})
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == output, (
+            f"{page}: `{command}` is not what the command prints at 80 columns; paste its output:\n{result.stdout}"
+        )
 
 
 def test_the_plugin_guide_installs_from_the_plugins_own_directory() -> None:
     guide = plugin_guide()
-    block = re.search(r"```bash\n(.*?)```", guide[guide.index("**Install order") :], re.S)
+    block = re.search(r"```bash\n(.*?)```", guide[guide.index("## Install order") :], re.S)
     assert block, "the plugin guide lost its install block"
     commands = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
     commands = [command for command in commands if command]
@@ -51,9 +57,10 @@ def test_the_plugin_guide_installs_from_the_plugins_own_directory() -> None:
 
 
 def test_no_timing_without_the_benchmark_that_measures_it() -> None:
-    for paragraph in README.read_text(encoding="utf-8").split("\n\n"):
-        figures = re.findall(r"\b\d+(?:\.\d+)?(?:-\d+)?\s?(?:ms|s|min)\b", paragraph)
-        assert not figures or "benchmarks/" in paragraph, f"{figures} measured where and how? {paragraph[:300]}"
+    for page, text in reader_pages().items():
+        for paragraph in text.split("\n\n"):
+            figures = re.findall(r"\b\d+(?:\.\d+)?(?:-\d+)?\s?(?:ms|s|min)\b", paragraph)
+            assert not figures or "benchmarks/" in paragraph, f"{page}: {figures} measured where and how? {paragraph}"
 
 
 def _editable_checkout(tmp_path: Path) -> tuple[Path, list[str]]:
@@ -103,7 +110,7 @@ def test_the_quoted_errors_are_what_the_checkouts_parent_directory_gives(tmp_pat
     kit_error = "AttributeError: module 'attnhost' has no attribute '__version__'"
     assert cli.returncode != 0 and cli_error in cli.stderr, cli.stderr[-2000:]
     assert kit.returncode != 0 and kit_error in kit.stdout, kit.stdout[-2000:]
-    guide = _flat(plugin_guide())
+    guide = flat(plugin_guide())
     assert f"`python -m attnhost` then fails with `{cli_error}`" in guide
     assert f"every test of `python -m pytest --attnhost-backend acme` with `{kit_error}`" in guide
     # Elsewhere the same install works: the advice is to move, not to reinstall.

@@ -54,7 +54,7 @@ class AttentionRunner(_OnDevice, Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BackendCapabilities:
-    """What a backend declares it supports (fields: README's plugin guide), so engines refuse the rest before they
+    """What a backend declares it supports (fields: docs/plugin-guide.md), so engines refuse the rest before they
     build or capture anything. What the contract itself lacks (ALiBi, cross-attention, logit caps other than tanh)
     is refused for every backend rather than declared here."""
 
@@ -227,7 +227,7 @@ class AttentionLayer:
 
 
 class AttentionBackend(abc.ABC):
-    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: README's plugin guide). Built as
+    """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: docs/plugin-guide.md). Built as
     ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the runner stamps its
     two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang #28559). A subclass
     implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``)."""
@@ -244,30 +244,53 @@ class AttentionBackend(abc.ABC):
         """Precompute per-batch metadata once, before the layers run."""
 
     @abc.abstractmethod
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> Tensor:
         """Attention for new tokens that attend to a cached prefix and causally to each other (or as the layer's
         variants say: docs/variants.md). A backend that declares ``capabilities.sinks`` also accepts a keyword
         ``sinks`` (``[num_heads]``), passed for the layers with ``has_sinks`` and only for them."""
 
-    def forward_decode(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_decode(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         """One new token per request: a case of extend, so ``forward_extend`` unless a decode kernel is faster."""
         if sinks is not None:
             return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)  # type: ignore[call-arg]
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+    def forward_mla_mha(
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> Tensor:
         """MLA's MHA form (docs/mla.md): ``q``/``k`` ``[T, heads, qk_head_dim]``, ``v`` ``[T, heads, v_head_dim]``,
         causal over the arguments (no request has a cached prefix), the cache untouched (the caller writes the
         latent); returns ``[T, heads, v_head_dim]``. Only backends that declare ``capabilities.mla`` implement it."""
         raise UnsupportedFeatureError(_no_mla(self))
 
-    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
-                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
-                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_mla_mqa(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        q_rope: Tensor | None = None,
+        k_rope: Tensor | None = None,
+    ) -> Tensor:
         """MLA's absorbed form, every forward mode (docs/mla.md): ``q`` ``[T, heads, kv_lora_rank + rope]`` (or its
         first ``kv_lora_rank`` columns with ``q_rope`` the rest) over the cached latent rows of every request's
         prefix and new tokens, causally (or by ``tree_mask``); ``k`` is the new latent rows ``[T, 1, kv_lora_rank +
@@ -275,9 +298,19 @@ class AttentionBackend(abc.ABC):
         first ``kv_lora_rank`` columns, redundant; returns ``[T, heads, kv_lora_rank]``."""
         raise UnsupportedFeatureError(_no_mla(self))
 
-    def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
-                forward_batch: ForwardBatch, save_kv_cache: bool = True, *, q_rope: Tensor | None = None,
-                k_rope: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        *,
+        q_rope: Tensor | None = None,
+        k_rope: Tensor | None = None,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         """Route by the layer's MLA form, then by mode: IDLE, DECODE, everything else (extend); ``sinks`` goes on
         to the mode's method only when given (a backend without ``capabilities.sinks`` never takes it)."""
         mode = forward_batch.forward_mode

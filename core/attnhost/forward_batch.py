@@ -142,8 +142,8 @@ class KVPool:
 
 @dataclass(frozen=True, eq=False)
 class ForwardBatch:
-    """One forward pass: which requests run, how many new tokens each brings, where they go (the fields: README's
-    plugin guide); lengths that do not add up are refused."""
+    """One forward pass: which requests run, how many new tokens each brings, where they go (the fields:
+    docs/plugin-guide.md); lengths that do not add up are refused."""
 
     forward_mode: ForwardMode
     kv_pool: KVCache

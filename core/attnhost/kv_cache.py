@@ -20,7 +20,7 @@ class _OnDevice(Protocol):
 
 
 class KVCache(_OnDevice, Protocol):
-    """The token-slot KV cache a backend reads and writes, whoever owns it (members: README's plugin guide).
+    """The token-slot KV cache a backend reads and writes, whoever owns it (members: docs/plugin-guide.md).
     :class:`~attnhost.forward_batch.KVPool` is one; the engine bridges wrap SGLang's and vLLM's own caches without
     copying a byte, so rely on exactly this: the K/V buffers may be *strided* views (index, never ``view`` them)."""
 
