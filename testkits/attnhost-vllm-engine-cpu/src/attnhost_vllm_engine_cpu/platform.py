@@ -27,8 +27,21 @@ def is_attnhost_member(selected: Any) -> bool:
     return selected is not None and str(getattr(selected, "value", "")).startswith(ADAPTER_MODULE + ".")
 
 
+_overridden = False
+
+
 class AttnhostTestCpuPlatform(CpuPlatform):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's CPU platform; an attnhost attention backend, when chosen, is used instead of ``CPU_ATTN``."""
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """vLLM's CPU stand-ins for its triton kernels, once per process: the kit's driver builds several engines in
+        one process (importing vLLM is most of an engine's start here), and vLLM's rebinding fails the second time
+        over its own wrappers."""
+        global _overridden
+        if not _overridden:
+            super().register_triton_kernel_overrides()
+            _overridden = True
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any, *args: Any, **kwargs: Any) -> str:

@@ -61,7 +61,7 @@ def _wrap_build(original: Any) -> Any:
         if batch is not None:
             name = self.identity.attnhost_name
             mode = batch.forward_mode.name
-            prefix = any(p > 0 and e > 1 for p, e in zip(batch.prefix_lens_cpu, batch.extend_seq_lens_cpu))
+            prefix = any(p > 0 and e > 1 for p, e in zip(batch.prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True))
             rejected = metadata.written is not None
             if _once(("batch", name, draft, mode, prefix, rejected)):
                 write({"event": "batch", "backend": name, "engine_name": self.identity.engine_name, "draft": draft,

@@ -117,7 +117,7 @@ def build_eagle_head(out: Path, target: Path, seed: int = DRAFT_SEED) -> None:
     vLLM's EAGLE head (``vllm.model_executor.models.llama_eagle``) feeds ``fc(cat(embed(token), target hidden))``
     (no bias) through its decoder layers, the first without its input norm, and no final norm; its checkpoint
     names drop the ``model.`` prefix (its ``load_weights`` adds it back). So: one Llama decoder layer of the
-    target's width, the embedding and LM head, and ``fc`` (``2 * hidden -> hidden``).
+    target's width, the embedding, and ``fc`` (``2 * hidden -> hidden``).
     """
     import torch
     from safetensors.torch import save_file
@@ -139,7 +139,7 @@ def build_eagle_head(out: Path, target: Path, seed: int = DRAFT_SEED) -> None:
     torch.manual_seed(seed)
     body = LlamaForCausalLM(config).to(torch.float32).state_dict()
     hidden = int(LLAMA_SHAPE["hidden_size"])
-    dropped = {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
+    dropped = {"model.norm.weight", "model.layers.0.input_layernorm.weight", "lm_head.weight"}  # the target's head
     weights = {name.removeprefix("model."): t.contiguous() for name, t in body.items() if name not in dropped}
     weights["fc.weight"] = torch.randn(hidden, 2 * hidden) * 0.02
     save_file(weights, str(out / "model.safetensors"))
