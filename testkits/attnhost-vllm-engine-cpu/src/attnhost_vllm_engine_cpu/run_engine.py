@@ -4,7 +4,7 @@
 ``passes`` (lists of prompts as token ids; each pass is one ``LLM.generate`` call on the run's engine, so a later
 pass may hit the prefix cache), and ``max_tokens``. The runs' engines are built one after another in this process
 (importing vLLM once is most of an engine's start here), each shut down before the next. ``OUT`` (JSON): per run,
-the greedy ids of every pass, the engine's speculative and prefix-cache counters and the seconds it took, or
+the greedy ids and seconds of every pass, the engine's speculative and prefix-cache counters and the seconds it took, or
 ``error`` with the traceback. A run's error does not stop the next run.
 """
 
@@ -31,9 +31,11 @@ def generate(model: str, run: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(model=model, tokenizer=model, disable_log_stats=False, **run["engine_args"])
     try:
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
-        passes = []
+        passes, seconds = [], []
         for prompts in run["passes"]:
+            start = time.perf_counter()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
             passes.append([list(o.outputs[0].token_ids) for o in outputs])
         counters: dict[str, float] = {}
         for metric in llm.get_metrics():
@@ -45,7 +47,7 @@ def generate(model: str, run: dict[str, Any]) -> dict[str, Any]:
             shutdown()
         del llm
         _release()
-    return {"passes": passes, "counters": counters}
+    return {"passes": passes, "pass_seconds": seconds, "counters": counters}
 
 
 def _release() -> None:
