@@ -109,8 +109,8 @@ def register() -> None:
 
     from attnhost.engines.vllm.adapter import AttnhostVLLMImpl, AttnhostVLLMMetadataBuilder
 
-    AttnhostVLLMMetadataBuilder.build = _wrap_build(AttnhostVLLMMetadataBuilder.build)
-    AttnhostVLLMImpl.forward = _wrap_forward(AttnhostVLLMImpl.forward)
+    AttnhostVLLMMetadataBuilder.build = _wrap_build(AttnhostVLLMMetadataBuilder.build)  # type: ignore[method-assign]
+    AttnhostVLLMImpl.forward = _wrap_forward(AttnhostVLLMImpl.forward)  # type: ignore[method-assign]
     GPUModelRunner.propose_draft_token_ids = _wrap_propose(GPUModelRunner.propose_draft_token_ids)
     _installed = True
 
