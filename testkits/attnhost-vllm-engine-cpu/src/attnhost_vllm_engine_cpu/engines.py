@@ -201,8 +201,10 @@ def proposals(records: list[dict[str, Any]]) -> list[list[list[int]]]:
     by_request: dict[str, list[list[int]]] = {}
     for record in records:
         if record["event"] == "proposals":
-            for request, drafts in zip(record["req_ids"], record["drafts"], strict=False):
-                by_request.setdefault(request, []).append(list(drafts))
+            discarded = record.get("discarded") or [False] * len(record["req_ids"])
+            for request, drafts, dropped in zip(record["req_ids"], record["drafts"], discarded, strict=False):
+                if not dropped:  # a chunked prefill's drafts are thrown away by vLLM: nothing to match
+                    by_request.setdefault(request, []).append(list(drafts))
     return list(by_request.values())
 
 

@@ -12,7 +12,8 @@ file. It changes no argument and no result; it wraps:
 * the adapter's impl (``AttnhostVLLMImpl.forward``): a ``forward`` record the
   first time a (backend, target or draft, forward mode) runs a layer;
 * vLLM's model runner (``GPUModelRunner.propose_draft_token_ids``, which the CPU
-  runner inherits): a ``proposals`` record per step with the draft token ids and the requests they are for.
+  runner inherits): a ``proposals`` record per step with the draft token ids, the requests they are for, and which of
+  them vLLM discards (requests still in a chunked prefill).
 
 Records are JSON lines appended to the file, with the process id.
 """
@@ -94,7 +95,11 @@ def _wrap_propose(original: Any) -> Any:
     def propose_draft_token_ids(self: Any, *args: Any, **kwargs: Any) -> Any:
         drafts = original(self, *args, **kwargs)
         ids = drafts.tolist() if hasattr(drafts, "tolist") else [list(d) for d in drafts]
-        write({"event": "proposals", "drafts": ids, "req_ids": list(self.input_batch.req_ids)})
+        req_ids = list(self.input_batch.req_ids)
+        # vLLM throws away what it samples, and drafts, for a request whose prompt is still being prefilled
+        mask = getattr(self, "discard_request_mask", None)
+        discarded = [bool(x) for x in mask.np[: len(req_ids)]] if mask is not None else [False] * len(req_ids)
+        write({"event": "proposals", "drafts": ids, "req_ids": req_ids, "discarded": discarded})
         return drafts
 
     return propose_draft_token_ids
