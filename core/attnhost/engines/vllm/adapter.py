@@ -280,7 +280,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self.dtype: torch.dtype = kv_cache_spec.dtype
         self.device = torch.device(device)
         self._windowed = getattr(kv_cache_spec, "sliding_window", None) is not None
-        self._is_draft = bool(kv_cache_spec.is_draft)
+        self._is_draft = serves_draft(kv_cache_spec, layer_names, vllm_config)
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
         self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
@@ -556,6 +556,26 @@ def refuse_impl_args(
     extra = sorted(name for name, value in extra_impl_args.items() if value is not None and value is not False)
     if extra:
         raise refuse(f"the extra {kind} arguments {', '.join(extra)}")
+
+
+def serves_draft(spec: Any, layer_names: list[str], vllm_config: Any) -> bool:
+    """Whether a builder's KV-cache group holds the speculative drafter's layers (its backend is then a draft's).
+
+    Where vLLM's ``AttentionSpec`` has ``is_draft`` (0.33) it marks the drafter's group. Where it has not (0.32),
+    the drafter's attention layers are those that registered in vLLM's forward context after all of the target
+    model's (vLLM loads the target first, then the drafter; the drafter gets builders of its own).
+    """
+    flag = getattr(spec, "is_draft", None)
+    if flag is not None:
+        return bool(flag)
+    if getattr(vllm_config, "speculative_config", None) is None or not layer_names:
+        return False
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    context = vllm_config.compilation_config.static_forward_context
+    attention = [name for name, layer in context.items() if isinstance(layer, AttentionLayerBase)]
+    target = vllm_config.model_config.get_num_layers_by_block_type(vllm_config.parallel_config, "attention")
+    return set(layer_names).isdisjoint(attention[:target])
 
 
 def _slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

