@@ -29,9 +29,17 @@ __all__ = [
     "BackendCapabilities",
     "KVCache",
     "build_backend",
+    "dtype_name",
 ]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def dtype_name(dtype: object) -> str:
+    """A torch dtype as capabilities and messages name it (``torch.bfloat16`` -> ``"bfloat16"``); no torch import."""
+    return str(dtype).removeprefix("torch.")
+
+
 VARIANT_FEATURES: tuple[str, ...] = ("sliding_window", "logit_cap", "sinks", "non_causal")
 """The attention variants a layer may need and a backend may declare (``BackendCapabilities`` flags of those names)."""
 _FEATURE_WORDS = {

@@ -53,18 +53,21 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, ClassVar, NoReturn
+from typing import Any
 
 import pytest
 import torch
 
 from attnhost.availability import check_availability
-from attnhost.backend import FLOAT_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities, capabilities_of
+from attnhost.backend import (
+    FLOAT_DTYPES,
+    AttentionBackend,
+    BackendCapabilities,
+    capabilities_of,
+    dtype_name,
+)
 from attnhost.context import dispatch_attention_backend, get_attn_backend
-from attnhost.discovery import PluginInfo
-from attnhost.errors import printable
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
@@ -72,13 +75,11 @@ from attnhost.platform import current_platform
 from attnhost.registry import BackendEntry
 from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
-from attnhost.server_args import ServerArgs
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
-from attnhost.testing.diagnose import diagnose_batch
+from attnhost.testing.harness import LayerRun, Request, fail
 from attnhost.testing.mla_conformance import MLAConformance
-from attnhost.testing.reference import reference_attention, tree_mask
+from attnhost.testing.reference import tree_mask
 from attnhost.testing.variant_conformance import VariantConformance
-from attnhost.testing.watch import watch_slow
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
 
@@ -87,44 +88,13 @@ class ConformanceWarning(UserWarning):
     """What the kit reports without failing (a missing description): pytest lists it in its warnings summary."""
 
 
-Request = tuple[int, int, int]
 _STAMPS = ("prefill_attention_backend_str", "decode_attention_backend_str")
 _MISSING = object()
-_HANGS = "waiting for it — if it hangs, press Ctrl-C: pytest shows where it waits (--full-trace: the whole stack)"
-
-
-def _fail(message: str) -> NoReturn:
-    """Fail with the message only: the kit's frames would hide what the author needs to read."""
-    pytest.fail(message, pytrace=False)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _tree_mask(*trees: str) -> torch.Tensor:
     """``ForwardBatch.tree_mask`` for one request per named tree (:data:`SPECULATIVE_TREES`), in order."""
     return tree_mask(*(SPECULATIVE_TREES[name] for name in trees))
-
-
-@dataclasses.dataclass
-class _LayerRun:
-    """One layer's forward: its inputs, its output, and the cache as it must look afterwards."""
-
-    layer: AttentionLayer
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    expected_k: torch.Tensor
-    expected_v: torch.Tensor
-    sinks: torch.Tensor | None = None
-
-
-@dataclasses.dataclass
-class _Step:
-    batch: ForwardBatch
-    layers: list[_LayerRun]
 
 
 # Run in a fresh interpreter, as `attnhost list` would be: load the registry and
@@ -157,354 +127,12 @@ print(json.dumps({
 class BackendConformance(MLAConformance, VariantConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
-    backend_name: ClassVar[str | None] = None
-    """The backend under test, as registered (an alias is accepted)."""
-    expect_draft: ClassVar[bool | None] = None
-    """``True``/``False`` asserts the backend is/is not draft-capable; ``None`` accepts either."""
-    platform: ClassVar[str | None] = None
-    """Platform to resolve for (``cuda``, ``rocm``, ...); ``None`` detects it as ``attnhost`` does."""
-    device: ClassVar[str] = "cpu"
-    """Where the runners allocate their KV cache and the inputs live."""
-    float32_atol: ClassVar[float] = 1e-5
-    """Max abs error against the float64 reference for float32 inputs."""
-    bfloat16_atol: ClassVar[float] = 2e-2
-    """Max abs error for bfloat16 inputs (the reference sees the same bf16-rounded inputs)."""
-    float16_atol: ClassVar[float] = 5e-3
-    """Max abs error for float16 inputs (checked when the backend's capabilities declare float16)."""
-    head_dim: ClassVar[int] = 32
-    seed: ClassVar[int] = 0
-    check_discovery_imports: ClassVar[bool] = True
-    """Check in a subprocess that loading the plugin imports neither torch nor the factory module."""
-
-    name: str
-    entry: BackendEntry
-    _generator: torch.Generator
-    _pytest_config: pytest.Config
-    _flat_queries = False  # test_flat_heads_layout: queries as [T, heads * head_dim]
-
-    # -- set-up ---------------------------------------------------------------------
-
-    @pytest.fixture
-    def attnhost_backend_name(self) -> str:
-        """The name under test; ``pytest --attnhost-backend`` parametrizes this fixture instead."""
-        if not self.backend_name:
-            _fail(f"{type(self).__name__}: set the class attribute backend_name = '<your backend>'")
-        return self.backend_name
-
-    @pytest.fixture(autouse=True)
-    def _attnhost_conformance_setup(self, attnhost_backend_name: str, request: pytest.FixtureRequest) -> None:
-        registry = get_registry()
-        canonical = registry.canonical(attnhost_backend_name)
-        if canonical is None:
-            _fail(_missing_backend_message(attnhost_backend_name))
-        self.name = canonical
-        self.entry = registry.entry(canonical)
-        self._pytest_config = request.config
-        # A private generator: the kit must not move torch's global RNG either.
-        self._generator = torch.Generator().manual_seed(self.seed)
-        if request.node.originalname != "test_spec_factory_importable_and_available" and self.entry.spec.implemented:
-            try:  # one failure says why (test_spec_factory_importable_and_available); the rest would only repeat it
-                self._load_factory()
-            except Exception:
-                pytest.skip(f"factory not importable: see test_spec_factory_importable_and_available[{self.name}]")
-
-    def _load_factory(self) -> Any:
-        """``spec.load()``, naming the backend on the terminal if the import runs long (see :func:`watch_slow`)."""
-        doing = f"importing the factory {self._factory_text()} of backend {self.name!r} ({self.entry.label})"
-        with watch_slow(self._pytest_config, doing, _HANGS):
-            return self.entry.spec.load()
-
-    def _factory_text(self) -> str:
-        factory = self.entry.spec.factory
-        return printable(repr(factory if isinstance(factory, str) else getattr(factory, "__qualname__", factory)))
-
-    def _require_available(self) -> None:
-        platform = current_platform(self.platform)
-        availability = check_availability(self.entry, platform)
-        if not availability.available:
-            pytest.skip(f"backend {self.name!r} is not available on {platform}: {availability.reason}")
-
-    def _require_draft(self) -> None:
-        if not self.entry.draft:
-            pytest.skip(
-                f"backend {self.name!r} is target-only (its plugin does not list it in "
-                "attnhost_draft_attention_backends), so there is no draft runner to test"
-            )
-
-    def _args(self) -> ServerArgs:
-        return ServerArgs(
-            attention_backend=self.name,
-            speculative_draft_attention_backend=self.name if self.entry.draft else None,
-        )
-
-    def _runner(
-        self,
-        args: ServerArgs | None = None,
-        *,
-        is_draft: bool = False,
-        num_heads: int = 8,
-        num_kv_heads: int = 2,
-        dtype: torch.dtype = torch.float32,
-    ) -> ModelRunner:
-        self._require_available()
-        role = "draft" if is_draft else "target"
-        head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
-        doing = (
-            f"building backend {self.name!r} ({self.entry.label}) for a {role} runner: its factory "
-            f"{self._factory_text()} has not returned"
-        )
-        try:
-            with watch_slow(self._pytest_config, doing, _HANGS):
-                return ModelRunner(
-                    args if args is not None else self._args(),
-                    is_draft=is_draft,
-                    num_layers=2,
-                    num_heads=num_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    max_requests=8,
-                    max_context_len=256,
-                    num_slots=1024,
-                    dtype=dtype,
-                    device=self.device,
-                    platform=self.platform,
-                )
-        except Exception as exc:
-            raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
-
-    def _capabilities(self) -> BackendCapabilities:
-        try:
-            return capabilities_of(self.entry.spec.load())
-        except Exception:  # test_spec_factory_importable_and_available reports an unloadable factory
-            return BackendCapabilities()
-
-    def _head_dim(self) -> int:
-        """``head_dim``, unless the backend declares head dims without it: then the first it declares."""
-        declared = self._capabilities().head_dims
-        return self.head_dim if not declared or self.head_dim in declared else declared[0]
-
-    def _require_dtype(self, dtype: torch.dtype) -> None:
-        declared = self._capabilities().dtypes
-        if _dtype_name(dtype) not in declared:
-            pytest.skip(
-                f"backend {self.name!r} does not declare {_dtype_name(dtype)} (capabilities.dtypes = {declared})"
-            )
-
-    def _declared_float_dtypes(self) -> list[torch.dtype]:
-        """float32, bfloat16, float16: those the backend declares, in that order."""
-        declared = self._capabilities().dtypes
-        return [getattr(torch, name) for name in FLOAT_DTYPES if name in declared]
-
-    def _speculative_runner(self, dtype: torch.dtype) -> ModelRunner:
-        """The draft runner when the backend can draft (draft batches reach it there), else a target runner."""
-        return self._runner(dtype=dtype, is_draft=self.entry.draft)
-
-    def _atol(self, dtype: torch.dtype) -> float:
-        return {torch.bfloat16: self.bfloat16_atol, torch.float16: self.float16_atol}.get(dtype, self.float32_atol)
-
-    def _randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(*shape, generator=self._generator).to(device=self.device, dtype=dtype)
-
-    # -- running and checking -------------------------------------------------------
-
-    def _forward(
-        self,
-        runner: ModelRunner,
-        mode: ForwardMode,
-        requests: Sequence[Request],
-        what: str,
-        *,
-        check: bool = True,
-        tree_mask: torch.Tensor | None = None,
-        layers: Sequence[AttentionLayer] | None = None,
-    ) -> _Step:
-        """Prepare one batch and run it through every layer (``layers``: these instead of the runner's, e.g. with
-        attention variants); ``check`` compares each output with the reference.
-
-        Tests of other properties pass ``check=False``, so a numerical error
-        fails the numerics tests only and every failure names one property.
-        """
-        batch = self._prepare(runner, mode, requests, what, tree_mask)
-        run = runner.layers if layers is None else layers
-        return _Step(batch, [self._run_layer(runner, batch, layer, what, check=check) for layer in run])
-
-    def _extend_twice_then_decode(
-        self, runner: ModelRunner, first: tuple[int, int], second: tuple[int, int], label: str
-    ) -> None:
-        """Two requests: a prefill of ``first`` tokens, an extend of ``second`` over that prefix, one decode step."""
-        r0, r1 = runner.new_request(), runner.new_request()
-        (a0, a1), (b0, b1) = first, second
-        self._forward(runner, ForwardMode.EXTEND, [(r0, 0, a0), (r1, 0, a1)], f"{label} extend")
-        self._forward(runner, ForwardMode.EXTEND, [(r0, a0, b0), (r1, a1, b1)], f"{label} extend with cached prefix")
-        self._forward(runner, ForwardMode.DECODE, [(r0, a0 + b0, 1), (r1, a1 + b1, 1)], f"{label} decode")
-
-    @staticmethod
-    def _prepare(
-        runner: ModelRunner,
-        mode: ForwardMode,
-        requests: Sequence[Request],
-        what: str,
-        tree_mask: torch.Tensor | None = None,
-    ) -> ForwardBatch:
-        """``runner.prepare_batch``, which calls the backend's ``init_forward_metadata`` once for the batch."""
-        try:
-            return runner.prepare_batch(mode, requests, tree_mask)
-        except Exception as exc:
-            raise AssertionError(
-                f"{what}: init_forward_metadata ({mode.name}) raised {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def _run_layer(
-        self, runner: ModelRunner, batch: ForwardBatch, layer: AttentionLayer, what: str, *, check: bool = True
-    ) -> _LayerRun:
-        pool = runner.kv_pool
-        n = batch.num_new_tokens
-        q = self._randn(n, layer.num_heads, layer.head_dim, dtype=runner.dtype)
-        k = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
-        v = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
-        expected_k = pool.k_buffer(layer.layer_id).clone()
-        expected_v = pool.v_buffer(layer.layer_id).clone()
-        expected_k[batch.out_cache_loc] = k.to(pool.dtype)
-        expected_v[batch.out_cache_loc] = v.to(pool.dtype)
-        # sink logits of either sign and large enough to take a visible share of the softmax (docs/variants.md)
-        sinks = self._randn(layer.num_heads, dtype=runner.dtype) * 1.5 + 1.0 if layer.has_sinks else None
-        if self._flat_queries:
-            flat_out = self._call(runner, q.flatten(1), k, v, layer, batch, what, sinks=sinks)
-            out = self._from_flat(flat_out, layer, n, what)
-        else:
-            out = self._call(runner, q, k, v, layer, batch, what, sinks=sinks)
-        run = _LayerRun(layer, q, k, v, out, expected_k, expected_v, sinks)
-        if check:
-            self._check_output(what, run, batch)
-        return run
-
-    @staticmethod
-    def _from_flat(out: torch.Tensor, layer: AttentionLayer, tokens: int, what: str) -> torch.Tensor:
-        expected = (tokens, layer.num_heads * layer.head_dim)
-        if tuple(out.shape) != expected:
-            _fail(
-                f"{what}: output shape {tuple(out.shape)} for a [tokens, num_heads * head_dim] query, expected "
-                f"{expected}: a backend that declares flat_heads answers in the layout it was asked in"
-            )
-        return out.reshape(tokens, layer.num_heads, layer.head_dim)
-
-    def _call(
-        self,
-        runner: ModelRunner,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        what: str,
-        save_kv_cache: bool = True,
-        *,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        try:
-            with torch.no_grad(), runner.forward_context() as backend:
-                if sinks is None:  # a backend that does not declare sinks never gets the keyword
-                    out = backend.forward(q, k, v, layer, batch, save_kv_cache)
-                else:
-                    out = backend.forward(q, k, v, layer, batch, save_kv_cache, sinks=sinks)
-        except Exception as exc:
-            raise AssertionError(
-                f"{what}: forward ({batch.forward_mode.name}, layer {layer.layer_id}) raised "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if not isinstance(out, torch.Tensor):
-            _fail(f"{what}: forward returned {type(out).__name__}, not a torch.Tensor")
-        return out
-
-    def _check_output(
-        self,
-        what: str,
-        run: _LayerRun,
-        batch: ForwardBatch,
-        *,
-        k_buffer: torch.Tensor | None = None,
-        v_buffer: torch.Tensor | None = None,
-    ) -> None:
-        problem = self._output_error(run, batch, k_buffer=k_buffer, v_buffer=v_buffer)
-        if problem is not None:
-            _fail(f"{what}: {problem}")
-
-    def _output_error(
-        self,
-        run: _LayerRun,
-        batch: ForwardBatch,
-        *,
-        k_buffer: torch.Tensor | None = None,
-        v_buffer: torch.Tensor | None = None,
-    ) -> str | None:
-        """What is wrong with the layer's output compared with the reference over these buffers, if anything."""
-        layer, out, q = run.layer, run.out, run.q
-        expected_shape = (batch.num_new_tokens, layer.num_heads, layer.head_dim)
-        if tuple(out.shape) != expected_shape:
-            return (
-                f"output shape {tuple(out.shape)}, expected {expected_shape} "
-                f"([tokens, num_heads, head_dim], layer {layer.layer_id})"
-            )
-        if out.dtype != q.dtype:
-            return f"output dtype {_dtype_name(out.dtype)}, expected the query's {_dtype_name(q.dtype)}"
-        ref = reference_attention(
-            q,
-            layer,
-            batch,
-            k_buffer=run.expected_k if k_buffer is None else k_buffer,
-            v_buffer=run.expected_v if v_buffer is None else v_buffer,
-            sinks=run.sinks,
-        )
-        got = out.detach().to("cpu", torch.float64)
-        atol = self._atol(q.dtype)
-        diff = (got - ref).abs()
-        finite = torch.isfinite(got)
-        if not bool(finite.all()):
-            index = int((~finite).flatten().nonzero()[0])
-            return f"output is not finite ({self._where(index, layer, batch, q.dtype)})"
-        error = float(diff.max()) if diff.numel() else 0.0
-        if not error <= atol:  # a NaN error fails too: a non-finite reference must never pass as agreement
-            index = int(diff.flatten().argmax())
-            k_read = run.expected_k if k_buffer is None else k_buffer
-            v_read = run.expected_v if v_buffer is None else v_buffer
-            why = diagnose_batch(out, q, layer, batch, atol, k_buffer=k_read, v_buffer=v_read, sinks=run.sinks)
-            where = self._where(index, layer, batch, q.dtype)
-            return f"max abs error {error:.1e} exceeds {atol:.0e} ({where})" + (f"; {why}" if why else "")
-        return None
-
-    @staticmethod
-    def _where(flat_index: int, layer: AttentionLayer, batch: ForwardBatch, dtype: torch.dtype) -> str:
-        """Turn a flat output index into "request 1, token 4 of 11, head 2" for the failure message."""
-        token, rest = divmod(flat_index, layer.num_heads * layer.head_dim)
-        head = rest // layer.head_dim
-        request = bisect.bisect_right(batch.extend_start_loc_cpu, token) - 1
-        within = token - batch.extend_start_loc_cpu[request]
-        return (
-            f"{_dtype_name(dtype)}, {layer.num_heads} heads / {layer.num_kv_heads} KV heads, layer {layer.layer_id}, "
-            f"request {request}, token {within} of {batch.extend_seq_lens_cpu[request]}, head {head}"
-        )
-
-    def _fragmented_prefix(self, runner: ModelRunner, prefix_len: int) -> int:
-        """A request whose cached prefix sits in descending, non-contiguous slots, written by the caller."""
-        pool = runner.kv_pool
-        request = runner.new_request()
-        slots = pool.alloc_slots(prefix_len).flip(0)
-        pool.req_to_token[request, :prefix_len] = slots
-        for layer in runner.layers:
-            pool.set_kv(
-                layer.layer_id,
-                slots,
-                self._randn(prefix_len, layer.num_kv_heads, layer.head_dim, dtype=pool.dtype),
-                self._randn(prefix_len, layer.num_kv_heads, layer.head_dim, dtype=pool.dtype),
-            )
-        return request
-
     # -- the spec -----------------------------------------------------------------------
 
     def test_spec_name_and_description(self) -> None:
         spec = self.entry.spec
         if spec.name != self.name:
-            _fail(f"spec: registry entry {self.name!r} carries a spec named {spec.name!r}")
+            fail(f"spec: registry entry {self.name!r} carries a spec named {spec.name!r}")
         lines = spec.description.strip().splitlines()
         if not lines:  # numerics and the contract decide pass or fail; a missing description is only a warning
             warnings.warn(
@@ -514,17 +142,17 @@ class BackendConformance(MLAConformance, VariantConformance):
                 stacklevel=1,
             )
         if len(lines) > 1:
-            _fail(f"spec: the description of {self.name!r} spans {len(lines)} lines; keep it to one")
+            fail(f"spec: the description of {self.name!r} spans {len(lines)} lines; keep it to one")
         if not spec.implemented:
-            _fail(f"spec: backend {self.name!r} is declared only (no factory); give its BackendSpec a factory=")
+            fail(f"spec: backend {self.name!r} is declared only (no factory); give its BackendSpec a factory=")
 
     def test_spec_roles(self) -> None:
         roles = self.entry.roles
         if "target" not in roles:
-            _fail(f"spec: backend {self.name!r} has roles {roles}, without 'target'")
+            fail(f"spec: backend {self.name!r} has roles {roles}, without 'target'")
         registry = get_registry()
         if self.entry.draft != registry.is_draft_capable(self.name):
-            _fail(f"spec: the registry disagrees with itself on whether {self.name!r} is draft-capable")
+            fail(f"spec: the registry disagrees with itself on whether {self.name!r} is draft-capable")
         if self.expect_draft is not None and self.entry.draft != self.expect_draft:
             how = (
                 "return its name from an @attnhost.hookimpl attnhost_draft_attention_backends() "
@@ -532,7 +160,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                 if self.expect_draft
                 else "remove it from attnhost_draft_attention_backends()"
             )
-            _fail(
+            fail(
                 f"spec: backend {self.name!r} has roles {', '.join(roles)} "
                 f"but expect_draft = {self.expect_draft}; {how}"
             )
@@ -545,14 +173,14 @@ class BackendConformance(MLAConformance, VariantConformance):
             factory = self._load_factory()
         except Exception as exc:
             if (availability.reason or "").startswith("factory module"):  # the sentence `attnhost list` shows
-                _fail(f"spec: backend {self.name!r} cannot run: {availability.reason}")
+                fail(f"spec: backend {self.name!r} cannot run: {availability.reason}")
             raise AssertionError(
                 f"spec: the factory {spec.factory!r} of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}"
             ) from exc
         if not callable(factory):
-            _fail(f"spec: the factory of {self.name!r} is {type(factory).__name__}, not callable")
+            fail(f"spec: the factory of {self.name!r} is {type(factory).__name__}, not callable")
         if not availability.available:
-            _fail(
+            fail(
                 f"spec: backend {self.name!r} is not available on {platform}: {availability.reason} "
                 "(set platform = ... on the test class to test another platform's resolution)"
             )
@@ -577,22 +205,20 @@ class BackendConformance(MLAConformance, VariantConformance):
             timeout=120,
         )
         if proc.returncode != 0 or not proc.stdout.strip():
-            _fail(f"discovery: loading the plugins in a fresh interpreter failed:\n{proc.stderr.strip()}")
+            fail(f"discovery: loading the plugins in a fresh interpreter failed:\n{proc.stderr.strip()}")
         report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
         if not report["found"]:
             status = report["plugins"].get(self.entry.plugin)
-            _fail(
-                f"discovery: a fresh interpreter does not find {self.name!r} (plugin {self.entry.plugin!r}: {status})"
-            )
+            fail(f"discovery: a fresh interpreter does not find {self.name!r} (plugin {self.entry.plugin!r}: {status})")
         if report["torch"]:
             chain = " <- ".join(report["culprit"]) or "unknown"
-            _fail(
+            fail(
                 f"discovery: loading plugin {self.entry.plugin!r} imports torch ({chain}); `attnhost list` "
                 "must stay cheap: point the factory at a separate module ('module:attr') or import torch "
                 "inside the backend's methods"
             )
         if report["factory_imported"]:
-            _fail(
+            fail(
                 f"discovery: loading plugin {self.entry.plugin!r} imports its factory module "
                 f"{report['factory_module']!r}; keep the plugin module free of implementation imports"
             )
@@ -603,17 +229,17 @@ class BackendConformance(MLAConformance, VariantConformance):
         backend = runner.attn_backend
         stamps = tuple(getattr(backend, attr) for attr in _STAMPS)
         if stamps != (self.name, self.name):
-            _fail(
+            fail(
                 f"{role} runner: the backend carries prefill/decode names {stamps}, expected "
                 f"({self.name!r}, {self.name!r}); the runner stamps them on the instance, do not overwrite them"
             )
         with runner.forward_context():
             if get_attn_backend() is not backend:
-                _fail(f"{role} runner: inside its forward context the current backend is not the runner's")
+                fail(f"{role} runner: inside its forward context the current backend is not the runner's")
             for mode in (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
                 chosen = dispatch_attention_backend(mode)
                 if chosen != self.name:
-                    _fail(f"{role} runner: {mode.name} dispatches to {chosen!r}, expected {self.name!r}")
+                    fail(f"{role} runner: {mode.name} dispatches to {chosen!r}, expected {self.name!r}")
 
     def test_target_runner_builds_and_stamps_its_backend(self) -> None:
         args = self._args()
@@ -621,7 +247,7 @@ class BackendConformance(MLAConformance, VariantConformance):
         self._check_stamped(runner, "target")
         again = self._runner(args)
         if again.attn_backend is runner.attn_backend:
-            _fail("target runner: two runners got the same backend instance; the factory must build a new one per call")
+            fail("target runner: two runners got the same backend instance; the factory must build a new one per call")
         self._forward(runner, ForwardMode.EXTEND, [(runner.new_request(), 0, 7)], "target runner extend", check=False)
 
     def test_draft_runner_builds_and_stamps_its_backend(self) -> None:
@@ -632,12 +258,12 @@ class BackendConformance(MLAConformance, VariantConformance):
         resolution = draft.resolution
         assert isinstance(resolution, DraftResolution)
         if resolution.name != self.name or resolution.fell_back:
-            _fail(
+            fail(
                 f"draft runner: --speculative-draft-attention-backend {self.name} resolved to "
                 f"{resolution.name!r}{' (fell back)' if resolution.fell_back else ''}: {'; '.join(resolution.trace)}"
             )
         if draft.attn_backend is target.attn_backend:
-            _fail("draft runner: target and draft share one backend instance; build a new one per factory call")
+            fail("draft runner: target and draft share one backend instance; build a new one per factory call")
         self._check_stamped(draft, "draft")
         request = draft.new_request()
         self._forward(draft, ForwardMode.DRAFT_EXTEND, [(request, 0, 9)], "draft runner extend", check=False)
@@ -647,7 +273,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                 dispatch_attention_backend(ForwardMode.DECODE) != self.name
                 or get_attn_backend() is not draft.attn_backend
             ):
-                _fail("draft runner: nested inside the target's forward context, dispatch did not reach the draft")
+                fail("draft runner: nested inside the target's forward context, dispatch did not reach the draft")
 
     # -- numerics -----------------------------------------------------------------------
 
@@ -715,7 +341,7 @@ class BackendConformance(MLAConformance, VariantConformance):
     def test_target_verify_chain(self) -> None:
         """TARGET_VERIFY as a chain (EAGLE topk 1): each request's draft tokens, causal, after its prefix."""
         for dtype, full in self._speculative_dtypes():
-            label = f"target-verify chain ({_dtype_name(dtype)})"
+            label = f"target-verify chain ({dtype_name(dtype)})"
             runner = self._runner(dtype=dtype)
             r, scattered = self._speculative_prefill(runner, label)
             batch = [(r[0], 13, 4), (r[1], 1, 4), (scattered, 17, 4), (r[2], 30, 4)]
@@ -731,7 +357,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                 "speculative chains only and refuse a tree run"
             )
         for dtype, full in self._speculative_dtypes():
-            label = f"target-verify tree ({_dtype_name(dtype)})"
+            label = f"target-verify tree ({dtype_name(dtype)})"
             runner = self._runner(dtype=dtype)
             r, scattered = self._speculative_prefill(runner, label)
             self._forward(
@@ -775,7 +401,7 @@ class BackendConformance(MLAConformance, VariantConformance):
         mask = torch.cat([fresh_block.flatten(), cached_block.flatten(), torch.zeros(1, dtype=torch.bool)])
         blind = {1: (0, 1), 8: (2, 0)}  # token in the batch: (request, token within it), each seeing no key
         for dtype, _ in self._speculative_dtypes():
-            label = f"a query that sees no key ({_dtype_name(dtype)})"
+            label = f"a query that sees no key ({dtype_name(dtype)})"
             runner = self._runner(dtype=dtype)
             fresh, cached, lone = runner.new_request(), runner.new_request(), runner.new_request()
             self._forward(runner, ForwardMode.EXTEND, [(cached, 0, 9)], f"{label}: the prefill before it")
@@ -793,7 +419,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                             wrong = f"values up to {float(got.abs().max()):.1e} instead of zeros"
                         else:
                             continue
-                        _fail(
+                        fail(
                             f"{label}: backend {self.name!r} gives {wrong} for request {request}, token {within} "
                             f"(layer {run.layer.layer_id}), whose tree row is all False with no prefix, so it sees "
                             "no key; the contract gives such a query zeros: find these rows when planning the batch "
@@ -804,7 +430,7 @@ class BackendConformance(MLAConformance, VariantConformance):
     def test_draft_extend(self) -> None:
         """DRAFT_EXTEND_V2 and DRAFT_EXTEND: the draft catches up on accepted tokens, causally, ragged."""
         for dtype, full in self._speculative_dtypes():
-            label = f"draft-extend ({_dtype_name(dtype)})"
+            label = f"draft-extend ({dtype_name(dtype)})"
             runner = self._speculative_runner(dtype)
             r, scattered = self._speculative_prefill(runner, label)
             batch = [(r[0], 13, 3), (r[1], 1, 1), (scattered, 17, 2), (r[2], 30, 4)]
@@ -820,7 +446,7 @@ class BackendConformance(MLAConformance, VariantConformance):
         the same prefix slots in ``req_to_token``, then slots of its own branch.
         """
         for dtype, full in self._speculative_dtypes():
-            label = f"draft decode over branch rows ({_dtype_name(dtype)})"
+            label = f"draft decode over branch rows ({dtype_name(dtype)})"
             runner = self._speculative_runner(dtype)
             pool = runner.kv_pool
             first, second = runner.new_request(), runner.new_request()
@@ -834,16 +460,6 @@ class BackendConformance(MLAConformance, VariantConformance):
             for step in range(3 if full else 2):  # from step 1 on, a row also reads its own branch's tokens
                 rows = [(row, prefix_len + step, 1) for row, prefix_len in branches]
                 self._forward(runner, ForwardMode.DECODE, rows, f"{label}, step {step}")
-
-    def _speculative_dtypes(self) -> list[tuple[torch.dtype, bool]]:
-        """The declared float dtypes, each with whether its case runs in full (the first one) or its main batch."""
-        return [(dtype, i == 0) for i, dtype in enumerate(self._declared_float_dtypes())]
-
-    def _speculative_prefill(self, runner: ModelRunner, label: str) -> tuple[list[int], int]:
-        """Three requests prefilled with 13, 1 and 30 tokens, and a fourth whose 17-token prefix is scattered."""
-        r = [runner.new_request() for _ in range(3)]
-        self._forward(runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill")
-        return r, self._fragmented_prefix(runner, 17)
 
     @pytest.mark.parametrize(("num_heads", "num_kv_heads"), list(HEAD_LAYOUTS.values()), ids=list(HEAD_LAYOUTS))
     def test_head_layouts_mha_gqa_mqa(self, num_heads: int, num_kv_heads: int) -> None:
@@ -873,10 +489,10 @@ class BackendConformance(MLAConformance, VariantConformance):
         try:
             factory = self.entry.spec.load()
         except Exception as exc:
-            _fail(f"capabilities: the factory of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}")
+            fail(f"capabilities: the factory of {self.name!r} cannot be imported: {type(exc).__name__}: {exc}")
         declared = getattr(factory, "capabilities", None)
         if declared is not None and not isinstance(declared, BackendCapabilities):
-            _fail(
+            fail(
                 f"capabilities: {self.name!r} declares capabilities = {declared!r}, which is not an "
                 "attnhost.BackendCapabilities; engines would ignore it"
             )
@@ -884,14 +500,14 @@ class BackendConformance(MLAConformance, VariantConformance):
         for flag in ("cuda_graph", "flat_heads", "tree_mask"):
             value = getattr(capabilities, flag)
             if not isinstance(value, bool):
-                _fail(
+                fail(
                     f"capabilities: {self.name!r} declares {flag} = {value!r}, which is not True or False; "
                     "engines decide on it, so build BackendCapabilities with a bool"
                 )
         for name in capabilities.dtypes:
             dtype = getattr(torch, name, None)
             if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                _fail(
+                fail(
                     f"capabilities: {self.name!r} declares dtype {name!r}, which is not a floating torch dtype "
                     f"(use names such as {', '.join(FLOAT_DTYPES)})"
                 )
@@ -923,14 +539,14 @@ class BackendConformance(MLAConformance, VariantConformance):
                 run = self._run_layer(runner, batch, layer, what, check=False)
                 self._check_cache(f"K/V cache after {what}", runner, batch, run, before)
                 if not torch.equal(pool.req_to_token, table):
-                    _fail(f"K/V cache after {what}: the backend wrote into req_to_token; only the scheduler may")
+                    fail(f"K/V cache after {what}: the backend wrote into req_to_token; only the scheduler may")
 
     def _check_cache(
         self,
         what: str,
         runner: ModelRunner,
         batch: ForwardBatch,
-        run: _LayerRun,
+        run: LayerRun,
         before: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         pool = runner.kv_pool
@@ -962,12 +578,12 @@ class BackendConformance(MLAConformance, VariantConformance):
                 went_text = f"; that token's {kind} went to {went}" if went else f"; that token's {kind} is nowhere"
                 if went and all(place.startswith("layer 0 ") for place in went.split(" and ")) and layer_id != 0:
                     went_text += f" (layer {layer_id}'s K/V was written into layer 0: pass layer.layer_id to set_kv)"
-                _fail(
+                fail(
                     f"{what}: layer {layer_id} slot {slot} (out_cache_loc of request {request}, token {within}) "
                     f"does not hold that token's new {kind} (max abs diff {change:.1e}){holder}{went_text}; write "
                     "with kv_pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)"
                 )
-            _fail(
+            fail(
                 f"{what}: layer {layer_id} slot {slot}, which is not in out_cache_loc, was overwritten in {kind} "
                 f"(max abs change {change:.1e}); a backend writes only the batch's out_cache_loc slots"
             )
@@ -975,7 +591,7 @@ class BackendConformance(MLAConformance, VariantConformance):
             if other != layer_id and not (
                 torch.equal(pool.k_buffer(other), k) and torch.equal(pool.v_buffer(other), v)
             ):
-                _fail(f"{what}: running layer {layer_id} changed layer {other}'s cache; use layer.layer_id")
+                fail(f"{what}: running layer {layer_id} changed layer {other}'s cache; use layer.layer_id")
 
     def test_save_kv_cache_false_neither_writes_nor_uses_k_v(self) -> None:
         runner = self._runner()
@@ -992,8 +608,8 @@ class BackendConformance(MLAConformance, VariantConformance):
         what = "save_kv_cache=False"
         out = self._call(runner, q, k * 100, v * 100, layer, batch, what, save_kv_cache=False)
         if not (torch.equal(pool.k_buffer(0), snapshot[0]) and torch.equal(pool.v_buffer(0), snapshot[1])):
-            _fail(f"{what}: the backend wrote K/V into the cache although save_kv_cache=False")
-        run = _LayerRun(layer, q, k, v, out, snapshot[0], snapshot[1])
+            fail(f"{what}: the backend wrote K/V into the cache although save_kv_cache=False")
+        run = LayerRun(layer, q, k, v, out, snapshot[0], snapshot[1])
         problem = self._output_error(run, batch)
         if problem is None:
             return
@@ -1002,12 +618,12 @@ class BackendConformance(MLAConformance, VariantConformance):
         from_arguments_k[batch.out_cache_loc] = (k * 100).to(pool.dtype)
         from_arguments_v[batch.out_cache_loc] = (v * 100).to(pool.dtype)
         if self._output_error(run, batch, k_buffer=from_arguments_k, v_buffer=from_arguments_v) is None:
-            _fail(
+            fail(
                 f"{what}: the output attends over the k/v arguments (passed scaled by 100 here), not over the "
                 "K/V already in the cache; with save_kv_cache=False the caller has stored them: read every key "
                 "and value through kv_pool.req_to_token"
             )
-        _fail(f"{what}: {problem}")
+        fail(f"{what}: {problem}")
 
     def test_idle_batch_gives_an_empty_output(self) -> None:
         runner = self._runner()
@@ -1017,7 +633,7 @@ class BackendConformance(MLAConformance, VariantConformance):
         empty_kv = self._randn(0, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
         out = self._call(runner, empty_q, empty_kv, empty_kv, layer, batch, "idle batch")
         if tuple(out.shape) != (0, layer.num_heads, layer.head_dim):
-            _fail(f"idle batch: output shape {tuple(out.shape)}, expected (0, {layer.num_heads}, {layer.head_dim})")
+            fail(f"idle batch: output shape {tuple(out.shape)}, expected (0, {layer.num_heads}, {layer.head_dim})")
 
     # -- isolation ----------------------------------------------------------------------
 
@@ -1027,7 +643,7 @@ class BackendConformance(MLAConformance, VariantConformance):
         second = self._runner(args)
         runners = [first, second] + ([self._runner(args, is_draft=True)] if self.entry.draft else [])
         if len({id(r.attn_backend) for r in runners}) != len(runners):
-            _fail("isolation: two runners share a backend instance")
+            fail("isolation: two runners share a backend instance")
         request = first.new_request()
         self._forward(first, ForwardMode.EXTEND, [(request, 0, 10)], "isolation: first runner", check=False)
         caches = [(r.kv_pool.k_buffer(0).clone(), r.kv_pool.v_buffer(0).clone()) for r in runners]
@@ -1040,7 +656,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                 if j != i and not (
                     torch.equal(other.kv_pool.k_buffer(0), k) and torch.equal(other.kv_pool.v_buffer(0), v)
                 ):
-                    _fail(f"isolation: a forward on runner {i} ({runner.role}) changed runner {j}'s KV cache")
+                    fail(f"isolation: a forward on runner {i} ({runner.role}) changed runner {j}'s KV cache")
             caches[i] = (runner.kv_pool.k_buffer(0).clone(), runner.kv_pool.v_buffer(0).clone())
         # the first runner's batch state must survive the others' forwards (per-backend metadata)
         self._forward(
@@ -1076,18 +692,18 @@ class BackendConformance(MLAConformance, VariantConformance):
                 self._forward(runner, ForwardMode.DECODE, [(request, 8, 1)], f"{runner.role} decode", check=False)
 
         if dataclasses.astuple(args) != frozen:
-            _fail(f"global state: the ServerArgs changed from {frozen} to {dataclasses.astuple(args)}")
+            fail(f"global state: the ServerArgs changed from {frozen} to {dataclasses.astuple(args)}")
         if get_registry() is not registry or registry.names() != names or registry.names("draft") != draft_names:
-            _fail("global state: the backend registry changed while runners were built")
+            fail("global state: the backend registry changed while runners were built")
         if default_host().plugins() != plugins:
-            _fail("global state: the set of loaded plugins changed while runners were built")
+            fail("global state: the set of loaded plugins changed while runners were built")
         stamps = tuple(getattr(AttentionBackend, attr) for attr in _STAMPS)
         if stamps != base_stamps:
-            _fail(f"global state: AttentionBackend's class attributes {_STAMPS} became {stamps}; stamp instances only")
+            fail(f"global state: AttentionBackend's class attributes {_STAMPS} became {stamps}; stamp instances only")
         for attr, value in class_stamps.items():
             now = vars(backend_class).get(attr, _MISSING)
             if now is not value:
-                _fail(f"global state: {backend_class.__qualname__}.{attr} was set to {now!r} on the class")
+                fail(f"global state: {backend_class.__qualname__}.{attr} was set to {now!r} on the class")
         if module is not None:
             changed = sorted(
                 key
@@ -1095,20 +711,20 @@ class BackendConformance(MLAConformance, VariantConformance):
                 if vars(module).get(key, _MISSING) is not module_globals.get(key, _MISSING)
             )
             if changed:
-                _fail(
+                fail(
                     f"global state: building runners rebinds module globals of {module.__name__}: "
                     f"{', '.join(changed)}; keep per-runner state on the backend instance"
                 )
         now_torch = _torch_globals()
         if now_torch != torch_state:
             diff = {k: (torch_state[k], now_torch[k]) for k in torch_state if torch_state[k] != now_torch[k]}
-            _fail(f"global state: torch settings changed (before, after): {diff}")
+            fail(f"global state: torch settings changed (before, after): {diff}")
         if _environment() != environ:
             now_environ = _environment()
             keys = sorted(set(environ) ^ set(now_environ) | {k for k in environ if now_environ.get(k) != environ[k]})
-            _fail(f"global state: environment variables changed: {', '.join(keys)}")
+            fail(f"global state: environment variables changed: {', '.join(keys)}")
         if not torch.equal(warm.kv_pool.k_buffer(0), warm_cache):
-            _fail("global state: other runners' forwards changed an earlier runner's KV cache")
+            fail("global state: other runners' forwards changed an earlier runner's KV cache")
         self._check_stamped(warm, "global state: the earlier runner")
 
 
@@ -1141,25 +757,3 @@ def _where_it_went(pool: Any, num_layers: int, value: torch.Tensor, kind: str) -
         slots = (buffer == value).flatten(1).all(dim=1).nonzero().flatten().tolist()
         places += [f"layer {layer_id} slot {slot}" for slot in slots[:3]]
     return " and ".join(places)
-
-
-def _missing_backend_message(name: str) -> str:
-    """Why ``name`` is not registered, naming the plugin that failed to load when one did."""
-    registry = get_registry()
-    failed = [p for p in default_host().plugins() if p.status.value == "failed"]
-    unknown = registry.unknown_message(name)
-    if not failed:
-        return f"spec: {unknown}; is the plugin installed (`attnhost list`) and did it load (`attnhost plugins`)?"
-    key = name.lower().replace("-", "_")
-
-    def related(plugin: PluginInfo) -> bool:
-        names = [plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")]
-        return any(other and (key in other or other in key) for other in names)
-
-    likely = [p for p in failed if related(p)]
-    causes = "; ".join(f"{p.origin} failed to load: {p.error}" for p in likely or failed)
-    if likely:
-        return (
-            f"spec: backend {name!r} is not registered because {causes}; fix the plugin, then check `attnhost plugins`"
-        )
-    return f"spec: {unknown}; perhaps because {causes}; fix the plugin, then check `attnhost plugins`"

@@ -19,40 +19,29 @@ exceeds 1e-05 (8 heads, layer 0, request 1, token 0 of 1, head 3)``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, NoReturn
+from typing import TYPE_CHECKING, ClassVar
 
 import pytest
 import torch
 
-from attnhost.backend import AttentionLayer
+from attnhost.backend import AttentionLayer, dtype_name
 from attnhost.errors import UnsupportedFeatureError
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.mla import MLAConfig
 from attnhost.runner import ModelRunner
 from attnhost.testing.cases import SPECULATIVE_TREES
+from attnhost.testing.harness import ConformanceHarness, Request, fail
 from attnhost.testing.mla_reference import reference_mla_absorbed, reference_mla_mha
 from attnhost.testing.reference import tree_mask
 
 if TYPE_CHECKING:
-    from attnhost.backend import BackendCapabilities
-    from attnhost.registry import BackendEntry
-    from attnhost.server_args import ServerArgs
+    pass
 
 __all__ = ["MLAConformance"]
 
-Request = tuple[int, int, int]
 
-
-def _fail(message: str) -> NoReturn:
-    pytest.fail(message, pytrace=False)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-class MLAConformance:
+class MLAConformance(ConformanceHarness):
     """The MLA cases of the conformance kit; ``BackendConformance`` inherits them (override ``mla_configs`` to
     test the latent shapes a kernel supports, e.g. DeepSeek V3's ``MLAConfig(512, 64, 128, 128)``)."""
 
@@ -61,19 +50,6 @@ class MLAConformance:
         MLAConfig(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
     )
     mla_num_heads: ClassVar[int] = 8
-
-    if TYPE_CHECKING:  # provided by BackendConformance
-        name: str
-        entry: BackendEntry
-        platform: ClassVar[str | None]
-        device: ClassVar[str]
-
-        def _args(self) -> ServerArgs: ...
-        def _require_available(self) -> None: ...
-        def _capabilities(self) -> BackendCapabilities: ...
-        def _declared_float_dtypes(self) -> list[torch.dtype]: ...
-        def _atol(self, dtype: torch.dtype) -> float: ...
-        def _randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor: ...
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -86,7 +62,7 @@ class MLAConformance:
     def _mla_cases(self) -> list[tuple[torch.dtype, MLAConfig, str]]:
         """Every declared float dtype with every latent shape, and the label that names the pair."""
         return [
-            (dtype, config, f"{_dtype_name(dtype)}, latent {config.kv_lora_rank} + rope {config.qk_rope_head_dim}")
+            (dtype, config, f"{dtype_name(dtype)}, latent {config.kv_lora_rank} + rope {config.qk_rope_head_dim}")
             for dtype in self._declared_float_dtypes()
             for config in self.mla_configs
         ]
@@ -165,9 +141,9 @@ class MLAConformance:
             shape = (n, layer.num_heads * rank) if flat else (n, layer.num_heads, rank)
             if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
                 got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                _fail(f"{what}: output {got}, expected {shape} (the values are kv_lora_rank = {rank} wide)")
+                fail(f"{what}: output {got}, expected {shape} (the values are kv_lora_rank = {rank} wide)")
             if out.dtype != q.dtype:
-                _fail(f"{what}: output dtype {_dtype_name(out.dtype)}, expected the query's {_dtype_name(q.dtype)}")
+                fail(f"{what}: output dtype {dtype_name(out.dtype)}, expected the query's {dtype_name(q.dtype)}")
             ref = reference_mla_absorbed(q, layer, batch, expected)
             self._compare(what, out.reshape(n, layer.num_heads, rank), ref, layer, batch)
 
@@ -179,7 +155,7 @@ class MLAConformance:
         slot = int((latent != expected).flatten(1).any(dim=1).nonzero()[0])
         change = float((latent[slot].double() - expected[slot].double()).abs().max())
         written = bool((batch.out_cache_loc == slot).any())
-        _fail(
+        fail(
             f"{what}: MLA layer {layer.layer_id}'s latent row at slot {slot} "
             + (
                 f"is not the new token's row (max abs diff {change:.1e}); write k (joined with k_rope) whole, with "
@@ -202,7 +178,7 @@ class MLAConformance:
         token, rest = divmod(int(diff.flatten().argmax()), layer.num_heads * ref.shape[-1])
         request = max(i for i, start in enumerate(batch.extend_start_loc_cpu) if start <= token)
         within = token - batch.extend_start_loc_cpu[request]
-        _fail(
+        fail(
             f"{what}: max abs error {error:.1e} exceeds {atol:.0e} ({layer.num_heads} heads, layer "
             f"{layer.layer_id}, request {request}, token {within} of {batch.extend_seq_lens_cpu[request]}, head "
             f"{rest // ref.shape[-1]})"
@@ -232,9 +208,9 @@ class MLAConformance:
             self._mla_runner(self.mla_configs[0], torch.float32)
         except UnsupportedFeatureError as exc:
             if self.name not in str(exc) or "MLA" not in str(exc):
-                _fail(f"MLA refusal: the message names neither the backend nor MLA: {exc}")
+                fail(f"MLA refusal: the message names neither the backend nor MLA: {exc}")
             return
-        _fail(f"MLA refusal: an MLA runner was built on {self.name!r}, which does not declare mla")
+        fail(f"MLA refusal: an MLA runner was built on {self.name!r}, which does not declare mla")
 
     def test_mla_extend(self) -> None:
         """The absorbed form over prefills and extends with cached (contiguous and scattered) prefixes."""
@@ -348,7 +324,7 @@ class MLAConformance:
                 self._check_latent(what, pool.k_buffer(layer.layer_id), expected, batch, layer)
                 shape = (n, layer.num_heads, layer.v_head_dim)
                 if tuple(out.shape) != shape:
-                    _fail(f"{what}: output {tuple(out.shape)}, expected {shape} (the values are v_head_dim wide)")
+                    fail(f"{what}: output {tuple(out.shape)}, expected {shape} (the values are v_head_dim wide)")
                 self._compare(what, out, reference_mla_mha(q, k, v, layer, batch), layer, batch)
             decode = [(req, length, 1) for req, _, length in requests]
             self._mla_step(runner, ForwardMode.DECODE, decode, f"MLA decode after an MHA-form prefill ({label})")
@@ -362,4 +338,4 @@ class MLAConformance:
         with torch.no_grad(), runner.forward_context() as backend:
             out = backend.forward(empty, empty[:, :1], empty[:, :1, : layer.v_head_dim], layer, batch)
         if tuple(out.shape) != (0, layer.num_heads, layer.v_head_dim):
-            _fail(f"MLA idle batch: output {tuple(out.shape)}, expected (0, {layer.num_heads}, {layer.v_head_dim})")
+            fail(f"MLA idle batch: output {tuple(out.shape)}, expected (0, {layer.num_heads}, {layer.v_head_dim})")

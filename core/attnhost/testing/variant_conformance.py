@@ -34,45 +34,27 @@ import torch
 
 from attnhost.forward_mode import ForwardMode
 from attnhost.testing.cases import SPECULATIVE_TREES
+from attnhost.testing.harness import ConformanceHarness, Request
 from attnhost.testing.reference import tree_mask
 
 if TYPE_CHECKING:
-    from attnhost.backend import AttentionLayer, BackendCapabilities
-    from attnhost.forward_batch import ForwardBatch
+    from attnhost.backend import AttentionLayer
     from attnhost.runner import ModelRunner
 
 __all__ = ["VariantConformance"]
-
-Request = tuple[int, int, int]
 
 
 def _tree(*names: str) -> torch.Tensor:
     return tree_mask(*(SPECULATIVE_TREES[name] for name in names))
 
 
-class VariantConformance:
+class VariantConformance(ConformanceHarness):
     """The attention-variant cases of the conformance kit; ``BackendConformance`` inherits them."""
 
     variant_windows: ClassVar[tuple[int, int]] = (7, 40)
     """``sliding_window_size`` of the runner's two layers: one shorter than most prefixes, one longer."""
     variant_caps: ClassVar[tuple[float, float]] = (2.0, 5.0)
     """``logit_cap`` of the two layers: small enough to bend the kit's scores (about unit variance)."""
-
-    if TYPE_CHECKING:  # provided by BackendConformance
-        name: str
-
-        def _capabilities(self) -> BackendCapabilities: ...
-        def _runner(self, args: Any = None, *, is_draft: bool = False, num_heads: int = 8,
-                    num_kv_heads: int = 2, dtype: torch.dtype = torch.float32) -> ModelRunner: ...  # fmt: skip
-        def _speculative_runner(self, dtype: torch.dtype) -> ModelRunner: ...
-        def _speculative_dtypes(self) -> list[tuple[torch.dtype, bool]]: ...
-        def _speculative_prefill(self, runner: ModelRunner, label: str) -> tuple[list[int], int]: ...
-        def _fragmented_prefix(self, runner: ModelRunner, prefix_len: int) -> int: ...
-        def _forward(self, runner: ModelRunner, mode: ForwardMode, requests: Sequence[Request], what: str, *,
-                     check: bool = True, tree_mask: torch.Tensor | None = None,
-                     layers: Sequence[AttentionLayer] | None = None) -> Any: ...  # fmt: skip
-        def _check_output(self, what: str, run: Any, batch: ForwardBatch) -> None: ...
-        def _randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor: ...
 
     # -- set-up ---------------------------------------------------------------------
 

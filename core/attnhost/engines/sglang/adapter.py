@@ -57,7 +57,7 @@ from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangForwardMode
 from torch import Tensor
 
-from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend
+from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend, dtype_name
 from attnhost.engines.batch_checks import BatchFacts, check_lengths, check_slots, read_batch_facts
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.sglang.model_checks import attention_layers, dropped_window, model_name, warn_once_per_runner
@@ -94,10 +94,6 @@ _REFUSED_MODES = {
 
 
 ENGINE_BUG = "report this to SGLang's maintainers with the command that produced it"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def ints(cpu: Tensor | None, tensor: Tensor) -> tuple[int, ...]:

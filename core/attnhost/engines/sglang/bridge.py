@@ -218,7 +218,7 @@ def _install_hooks() -> None:
     HookRegistry.register(_DRAFT_RESOLVER, _resolve_draft_backend, HookType.AROUND)
     HookRegistry.register(_DFLASH_DRAFT_STEP, _resolve_dflash_draft_backend, HookType.AROUND)
     HookRegistry.register(_DRAFT_FACTORY, _draft_backend, HookType.AROUND)
-    from attnhost.engines.sglang.agreement import install_agreement_check  # every rank must agree (issue 25)
+    from attnhost.engines.sglang.agreement import install_agreement_check  # every rank must agree
 
     install_agreement_check()
 

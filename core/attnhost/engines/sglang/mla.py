@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-from attnhost.backend import AttentionLayer
-from attnhost.engines.sglang.adapter import SGLangAdapterBackend, dtype_name
+from attnhost.backend import AttentionLayer, dtype_name
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend
 from attnhost.mla import MLAConfig, MLAForm
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ from vllm.v1.kv_cache_interface import (
     is_quantized_kv_cache,
 )
 
-from attnhost.backend import AttentionBackend, BackendCapabilities, build_backend, capabilities_of
+from attnhost.backend import AttentionBackend, BackendCapabilities, build_backend, capabilities_of, dtype_name
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.names import BACKENDS_MODULE
@@ -147,10 +147,6 @@ class _Identity:
         if reason == "non-MLA not supported" and self.sibling is not None:
             return f"{reason}: {self.sibling_way_out(False)}"
         return explain_reason(reason, self.capabilities) or reason
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class VLLMKVCache:

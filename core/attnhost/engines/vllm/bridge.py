@@ -23,14 +23,59 @@ from typing import Any
 from attnhost.backend import capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
 from attnhost.engines.vllm.mla_names import plan_mla_exports
-from attnhost.engines.vllm.names import ClassPath, class_path, vllm_name
+from attnhost.engines.vllm.names import BACKENDS_MODULE, vllm_name
 from attnhost.errors import BackendUnavailableError
 from attnhost.host import engine_load_failure
 from attnhost.settings import VLLM_OVERRIDE_ENV as OVERRIDE_ENV
 
-__all__ = ["backend_class", "current_plan", "exported", "install", "mla_name", "registered_value"]
+__all__ = [
+    "ClassPath",
+    "backend_class",
+    "class_path",
+    "current_plan",
+    "exported",
+    "install",
+    "mla_name",
+    "registered_value",
+    "restore",
+]
 
 logger = logging.getLogger("attnhost.engines.vllm")
+
+
+# -- the enum values that survive a spawned process ---------------------------------------
+#
+# vLLM keeps a chosen backend as an ``AttentionBackendEnum`` member inside its config, and an enum member pickles
+# *by value*: ``(AttentionBackendEnum, (value,))``. A spawned child (vLLM spawns once CUDA is initialised, under
+# Ray, with ``--numa-bind``) unpickles its config before it loads any plugin, so a member registered at run time
+# is unknown there and unpickling fails with ``ValueError: '<value>' is not a valid AttentionBackendEnum``. The
+# member's value is therefore a ClassPath: a ``str`` (vLLM uses it as the backend's class path) that pickles as a
+# call to :func:`restore`, which registers attnhost's backends in the child before the enum lookup and hands back
+# the registered value. No vLLM code is patched and nothing depends on which plugin group loads first. Each vLLM
+# name gets its own class path: two members with one value would alias each other across the pickle.
+
+
+class ClassPath(str):
+    """The value of an attnhost member of ``AttentionBackendEnum``: a class path that re-registers on unpickling."""
+
+    __slots__ = ()
+
+    @property
+    def engine_name(self) -> str:
+        return self.rsplit(".", 1)[1]
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return restore, (str(self),)
+
+
+def class_path(engine_name: str) -> ClassPath:
+    return ClassPath(f"{BACKENDS_MODULE}.{engine_name}")
+
+
+def restore(path: str) -> str:
+    """Unpickling hook: register attnhost's backends in this process, return the registered enum value."""
+    return registered_value(ClassPath(path).engine_name)
+
 
 _lock = threading.RLock()
 _plan: ExportPlan | None = None

@@ -50,14 +50,13 @@ from vllm.v1.kv_cache_interface import (
     is_quantized_kv_cache,
 )
 
-from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.backend import AttentionBackend, AttentionLayer, dtype_name
 from attnhost.engines.vllm.adapter import (
     AttnhostVLLMBackend,
     AttnhostVLLMMetadataBuilder,
     VLLMKVCache,
     _Identity,
     _layer_ids,
-    dtype_name,
     make_identity,
     named_class,
     refuse_impl_args,

@@ -20,6 +20,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import AttentionType
 
+from attnhost.backend import dtype_name
 from attnhost_vllm_cpu.kit import PLAIN, Case, Variant, make_case
 
 __all__ = [
@@ -75,10 +76,6 @@ VARIANT_BLOCK_SIZES = (1, 16)
 """Block size 1 nulls every token before a window; 16 keeps whole blocks of keys outside it readable."""
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Tolerance against the float64 reference (absolute, and as much again relative to the reference)."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)

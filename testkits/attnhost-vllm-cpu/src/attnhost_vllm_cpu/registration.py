@@ -103,8 +103,8 @@ def takeovers() -> dict[str, str]:
     """
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES
 
-    from attnhost.engines.vllm.bridge import exported
-    from attnhost.engines.vllm.names import BACKENDS_MODULE, ClassPath
+    from attnhost.engines.vllm.bridge import ClassPath, exported
+    from attnhost.engines.vllm.names import BACKENDS_MODULE
 
     asked = {engine_name for engine_name, backend in exported().items() if backend.overrides}
     return {

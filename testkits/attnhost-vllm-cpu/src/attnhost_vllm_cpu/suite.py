@@ -184,7 +184,7 @@ class TestVllmEngine:
             pytest.fail(f"attnhost backend {attnhost_backend_name!r}: {exc}", pytrace=False)
         except NotInVllmError as exc:
             pytest.fail(str(exc), pytrace=False)
-        from attnhost.engines.vllm.names import ClassPath, class_path
+        from attnhost.engines.vllm.bridge import ClassPath, class_path
 
         assert vllm.plugins.plugins_loaded, "vLLM's load_general_plugins() did not run"
         member = backend.member
