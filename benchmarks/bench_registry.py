@@ -1,4 +1,4 @@
-"""Building the registry at scale: linear in the number of specs (issue 13, point 9).
+"""Building the registry at scale: linear in the number of specs.
 
     python benchmarks/bench_registry.py [--quick]
 

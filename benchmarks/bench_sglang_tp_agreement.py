@@ -1,4 +1,4 @@
-"""What the rank-agreement check costs an SGLang engine's start-up with ``tp_size=2`` (issue 25, target <= 1 %).
+"""What the rank-agreement check costs an SGLang engine's start-up with ``tp_size=2``.
 
     python benchmarks/bench_sglang_tp_agreement.py [--rounds N]   (in the `sglang` tox environment's Python)
 

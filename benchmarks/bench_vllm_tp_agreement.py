@@ -1,4 +1,4 @@
-"""What the rank-agreement check costs a vLLM worker's start-up with ``tensor_parallel_size=2`` (issue 25).
+"""What the rank-agreement check costs a vLLM worker's start-up with ``tensor_parallel_size=2``.
 
     VLLM_TARGET_DEVICE=cpu python benchmarks/bench_vllm_tp_agreement.py [--rounds N]
 

@@ -1,4 +1,4 @@
-"""The CLI says things one way (issue 23, points 8-11): hints, prefixes, alignment, bounded echoes, names.
+"""The CLI says things one way: hints, prefixes, alignment, bounded echoes, names.
 
 Real distributions (``distgen``), the CLI in a fresh interpreter; the torch-less run uses a real environment
 without torch: ``python -S`` on a directory linking only what ``attnhost list`` needs.

@@ -177,7 +177,7 @@ def test_fingerprint_differences_are_named() -> None:
 
 
 def test_engine_runner_differences_are_named_per_runner_and_role() -> None:
-    """An engine bridge compares what its model runners resolved (issue 25), not attnhost's own resolution."""
+    """An engine bridge compares what its model runners resolved, not attnhost's own resolution."""
     from attnhost.distributed import RankFingerprint, compare_fingerprints
 
     builtin = ("builtin", "attnhost", "0.1.0", "loaded")

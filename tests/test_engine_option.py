@@ -1,4 +1,4 @@
-"""``pytest --attnhost-backend NAME --attnhost-engine ENGINE``: the engine kit's suite, found by entry point (issue 22).
+"""``pytest --attnhost-backend NAME --attnhost-engine ENGINE``: the engine kit's suite, found by entry point.
 
 attnhost ships no engine suite: an engine test kit (the test-only
 ``attnhost-sglang-cpu`` for SGLang) declares one in the entry-point group

@@ -583,7 +583,7 @@ def test_concurrent_writers_leave_a_valid_cache(site: Path, xdg: Path) -> None:
     assert json.loads(out.splitlines()[1])["cache_hits"] == 1
 
 
-# ------------------------------------------- a hit answers what importlib_metadata would (issue 23, point 13)
+# ------------------------------------------- a hit answers what importlib_metadata would
 
 
 def _rewrite(change: Callable[[E.Plan, list[E.Row]], tuple[E.Plan, list[E.Row]]]) -> None:

@@ -1,4 +1,4 @@
-"""Messages that lead to the fix (issue 14: points 2, 5's runner log, 7's allow-list hint and torch-less import)."""
+"""Messages that lead to the fix."""
 
 from __future__ import annotations
 

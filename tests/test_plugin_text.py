@@ -1,4 +1,4 @@
-"""Plugin text cannot hurt: control characters from plugins reach no terminal and no log unescaped (issue 13.6)."""
+"""Plugin text cannot hurt: control characters from plugins reach no terminal and no log unescaped."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Trust boundaries (issue 13), tried as an attacker and as a careless plugin author would, on real distributions.
+"""Trust boundaries, tried as an attacker and as a careless plugin author would, on real distributions.
 
 Each plugin here is an installed distribution (``tests/distgen.py``) found
 through its entry point, in this process (``sys.path``) or in a fresh

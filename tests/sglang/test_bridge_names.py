@@ -1,4 +1,4 @@
-"""Engine names inside SGLang (issue 23, points 1-3 and 12): one backend per name, overrides that do nothing say so,
+"""Engine names inside SGLang: one backend per name, overrides that do nothing say so,
 a plugin's ``fa3`` follows the clash rule, and the rename warning is said once per engine start.
 
 Each scenario is a fresh SGLang process (``probe_sglang.py``) with real plugin distributions on ``PYTHONPATH``.

@@ -1,4 +1,4 @@
-"""DFLASH in a real ``sglang.Engine`` on the CPU, target and draft on attnhost backends (issue 36, points 3 to 5).
+"""DFLASH in a real ``sglang.Engine`` on the CPU, target and draft on attnhost backends.
 
 SGLang's DFLASH worker drafts a block at once with a DFlash draft
 (``sglang.srt.models.dflash``): the bonus token and mask tokens, attending to

@@ -1,4 +1,4 @@
-"""A real ``sglang.Engine`` on the CPU generates HF transformers' greedy ids with every backend (issue 16).
+"""A real ``sglang.Engine`` on the CPU generates HF transformers' greedy ids with every backend.
 
 One run of the test kit's engine driver (``python -m attnhost_sglang_cpu.run_engine``),
 in a fresh interpreter and process group, builds an engine per backend in turn:

@@ -1,4 +1,4 @@
-"""The test-only parts stay test-only: attnhost ships none of them, and each does exactly its one job (issue 16).
+"""The test-only parts stay test-only: attnhost ships none of them, and each does exactly its one job.
 
 * attnhost's installed distribution contains and declares nothing of the
   scaffolding (no platform entry point, no probe, no torchvision shim); the

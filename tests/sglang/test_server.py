@@ -1,4 +1,4 @@
-"""The SGLang HTTP server, started as operators start it, answers with HF transformers' greedy ids (issue 16).
+"""The SGLang HTTP server, started as operators start it, answers with HF transformers' greedy ids.
 
 ``python -m sglang.launch_server`` runs through the test kit's
 ``python -m attnhost_sglang_cpu.launch_server`` (which only installs the

@@ -1,4 +1,4 @@
-"""The kit's torch stand-ins for SGLang's two tree kernels equal SGLang's own triton kernels (issue 21, point 6).
+"""The kit's torch stand-ins for SGLang's two tree kernels equal SGLang's own triton kernels.
 
 SGLang 0.5.23 refuses ``build_tree_kernel_efficient_func`` and
 ``verify_tree_greedy_func`` on any out-of-tree platform, so the test kit

@@ -1,4 +1,4 @@
-"""Speculative decoding in a real ``sglang.Engine`` on the CPU: greedy speculative ids equal the plain ids (issue 21).
+"""Speculative decoding in a real ``sglang.Engine`` on the CPU: greedy speculative ids equal the plain ids.
 
 The oracle: with greedy sampling, speculative decoding must not change a single
 token, so every case's ids must equal HF transformers' greedy ids, which
@@ -9,7 +9,7 @@ target ``EXTEND`` and ``TARGET_VERIFY``, the draft ``EXTEND``,
 ``DRAFT_EXTEND_V2`` and ``DECODE`` (the latter on the per-step children of the
 draft worker's multi-step container).
 
-The cases are one table keyed by attention backend names: issue 21's attnhost
+The cases are one table keyed by attention backend names: the attnhost
 cases, and one of SGLang's own ``triton`` backend (run by triton's
 interpreter, ``SPECULATIVE_ENV``) as the reference that proves the scaffolding
 itself (SGLang's speculative worker, the test platform's hooks and the kit's
@@ -112,7 +112,7 @@ class SpecCase:
 CASES = [
     # SGLang's own backend through the kit: the reference, independent of attnhost's adapter.
     SpecCase("triton-tree", "triton", topk=2, target_class=SGLANG_TRITON, draft_class=SGLANG_TRITON),
-    # issue 21, point 5: attnhost backends as target and draft.
+    # attnhost backends as target and draft.
     SpecCase("chain-batched_matmul", "batched_matmul"),
     SpecCase("chain-attnhost_torch_native", "attnhost_torch_native"),
     SpecCase("chain-attnhost_torch_native-draft-tiny", "attnhost_torch_native", draft_backend="tiny"),

@@ -1,4 +1,4 @@
-"""Speculative batches through the bridge, on SGLang's own test-kit fixtures (issue 21, items 1 and 2).
+"""Speculative batches through the bridge, on SGLang's own test-kit fixtures.
 
 Target verify runs SGLang's own verify kit for every verify input it has
 (EAGLE, frozen-KV MTP, DFLASH, NGRAM: its tree masks, its reference), and

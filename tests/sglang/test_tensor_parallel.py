@@ -1,4 +1,4 @@
-"""attnhost inside a real ``sglang.Engine`` with tensor parallelism, and every rank agreeing (issue 25).
+"""attnhost inside a real ``sglang.Engine`` with tensor parallelism, and every rank agreeing.
 
 Two kinds of run, each in its own interpreter and process group:
 

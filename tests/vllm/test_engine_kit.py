@@ -1,4 +1,4 @@
-"""The one command, ``pytest --attnhost-backend NAME --attnhost-engine vllm``, as a plugin author runs it (issue 22).
+"""The one command, ``pytest --attnhost-backend NAME --attnhost-engine vllm``, as a plugin author runs it.
 
 Each run is a fresh ``pytest`` in an empty directory with this environment's
 Python, so it goes through the installed pieces only: attnhost's pytest

@@ -13,7 +13,7 @@ import pytest
 from attnhost_vllm_cpu.registration import NotInVllmError, UnknownBackendNameError, lookup, takeovers
 from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
 
-from attnhost.engines.vllm.names import class_path
+from attnhost.engines.vllm.bridge import class_path
 
 
 def test_an_exported_name_and_its_member() -> None:

@@ -39,7 +39,7 @@ from attnhost.backend import AttentionLayer
 from attnhost.engines.vllm import bridge
 from attnhost.engines.vllm.adapter import UnsupportedFeatureError
 from attnhost.engines.vllm.mla_adapter import MLA_KV_LAYOUTS, mla_backend_class
-from attnhost.engines.vllm.names import ClassPath
+from attnhost.engines.vllm.bridge import ClassPath
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.mla import MLAConfig, MLAForm

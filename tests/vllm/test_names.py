@@ -1,4 +1,4 @@
-"""Engine names inside vLLM (issue 23, points 1 and 2): case-folding never gives two backends one name, and an
+"""Engine names inside vLLM: case-folding never gives two backends one name, and an
 override that does nothing says why. Each scenario is its own vLLM process (``scenarios.py``)."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from attnhost.engines.vllm import bridge
-from attnhost.engines.vllm.names import ClassPath
+from attnhost.engines.vllm.bridge import ClassPath
 
 SCENARIOS: dict[str, dict[str, str]] = {
     "clash": {},

@@ -1,4 +1,4 @@
-"""attnhost's rank-agreement check where vLLM's workers start (issue 25, item 3), on vLLM's real worker path.
+"""attnhost's rank-agreement check where vLLM's workers start, on vLLM's real worker path.
 
 What runs: two rank processes per case, each its own interpreter and environment, as vLLM's multiprocess
 executor starts its workers. Each goes through vLLM's own worker start-up as far as this CPU allows:
