@@ -3,6 +3,10 @@
 * the examples (``tiny``, ``batched_matmul`` and the compiled ``cpu_paged``) in ``LLM.generate``: greedy ids
   equal to HF transformers' over prefill, chunked prefill batched with decodes, decode and a prefix-cached
   second pass, each engine in turn in one driver process;
+* vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with
+  ``--attention-backend`` naming the compiled example: a ``/v1/completions`` request with token-id prompts
+  returns HF's greedy ids, the probe shows the example ran prefill, mixed and decode batches in the server's
+  processes, and nothing of the server is left running once it is stopped;
 * ``pytest --attnhost-backend torch_native --attnhost-engine vllm``, the plugin author's one command, runs the
   engine kit's real-engine cases (generate, ngram / draft model / EAGLE speculative decoding against an
   all-``CPU_ATTN`` engine's proposals, ``tensor_parallel_size=2`` equal to one rank) and they pass;
@@ -32,10 +36,12 @@ from attnhost_vllm_engine_cpu.engines import (
     run_engines,
 )
 from attnhost_vllm_engine_cpu.ranks import RANK_ENV
+from attnhost_vllm_engine_cpu.serve import serve_completions
 
 from attnhost.engines.vllm.names import vllm_name
 
 EXAMPLES = ("tiny", "batched_matmul", "cpu_paged")
+SERVED = "cpu_paged"  # the compiled example: a kernel built outside Python, as a vendor's would be
 MISMATCH_BOUND = 600  # seconds: two ranks import vLLM, load the model and meet at the check, on shared cores
 
 
@@ -57,6 +63,19 @@ def test_examples_generate_hf_greedy_ids(models: Models, tmp_path: Path) -> None
         assert any(b["extend_with_prefix"] for b in batches_seen(outcome.records[i], name)), name
         assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
     assert not outcome.left_running, outcome.left_running
+
+
+def test_openai_server_serves_hf_greedy_ids(models: Models, tmp_path: Path) -> None:
+    served = serve_completions(models.target, vllm_name(SERVED), models.prompts, tmp_path)
+    ids = served.completions(f"vllm.entrypoints.openai.api_server with attnhost backend {SERVED!r}")
+    assert ids == models.hf_ids, f"{SERVED}: served token ids {ids} differ from HF's {models.hf_ids}"
+    forwards = [r for r in served.records if r["event"] == "forward" and r["backend"] == SERVED]
+    assert forwards, f"{SERVED}: the probe saw no attnhost forward in the server: {served.records}"
+    outside = {r["pid"] for r in forwards} - served.server_pids
+    assert not outside, f"{SERVED}: forwards in processes {outside}, not the server's {served.server_pids}"
+    seen = paths_seen(served.records, SERVED)
+    assert {(False, "EXTEND"), (False, "MIXED"), (False, "DECODE")} <= seen, f"{SERVED}: ran {sorted(seen)}"
+    assert not served.left_running, f"processes left running: {served.left_running}"
 
 
 def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:

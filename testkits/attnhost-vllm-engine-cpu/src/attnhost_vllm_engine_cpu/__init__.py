@@ -8,7 +8,8 @@ platform that honours an attnhost choice; its probe (:mod:`.probe`, a
 adapter saw. Both do nothing unless :data:`PLATFORM_ENV` selects them, so
 installing the kit changes no vLLM process. The rest: tiny seeded models made
 locally (:mod:`.tiny_model`), the engine driver run in a child process
-(:mod:`.run_engine`) and its host side (:mod:`.engines`).
+(:mod:`.run_engine`) and its host side (:mod:`.engines`), and the same engine
+behind vLLM's OpenAI-compatible server (:mod:`.serve`).
 
 This module imports neither torch nor vLLM.
 """

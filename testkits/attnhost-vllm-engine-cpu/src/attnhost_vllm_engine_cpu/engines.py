@@ -29,6 +29,7 @@ __all__ = [
     "Outcome",
     "build_models",
     "generate_run",
+    "left_running",
     "proposals",
     "run_engines",
     "speculative_run",
@@ -156,13 +157,13 @@ def run_engines(model: Path, runs: list[dict[str, Any]], workdir: Path, timeout:
         os.killpg(child.pid, signal.SIGKILL)
         output, _ = child.communicate()
     seconds = time.monotonic() - start
-    left = _left_running(child.pid)
+    left = left_running(child.pid)
     results = json.loads(out.read_text()) if out.exists() else []
     return Outcome(results, _split(probe_records.read(str(probe))), child.returncode, seconds, output or "",
                    timed_out, left)  # fmt: skip
 
 
-def _left_running(session: int) -> list[str]:
+def left_running(session: int) -> list[str]:
     """Processes of the driver's session still alive a moment after it ended (vLLM's workers, its engine core)."""
     import psutil
 
