@@ -258,16 +258,27 @@ def _speculative(options: argparse.Namespace, rounds: int) -> None:
                 continue
             mode = ForwardMode.DRAFT_EXTEND_V2 if kind == "draft-extend" else ForwardMode.TARGET_VERIFY
             case = DenseAttentionCase(
-                name=full_label, backend="attnhost_torch_native", forward_mode=mode, num_heads=HEADS,
-                num_kv_heads=KV_HEADS, page_size=1, prefix_lens=prefix, extend_lens=(draft_tokens,) * len(prefix),
-            )  # fmt: skip
+                name=full_label,
+                backend="attnhost_torch_native",
+                forward_mode=mode,
+                num_heads=HEADS,
+                num_kv_heads=KV_HEADS,
+                page_size=1,
+                prefix_lens=prefix,
+                extend_lens=(draft_tokens,) * len(prefix),
+            )
             with torch.no_grad():
                 build = case if mode is ForwardMode.TARGET_VERIFY else _replace_mode(case, ForwardMode.EXTEND)
                 fixture = build_dense_attention_fixture(
-                    _Case(), build, head_dim=HEAD_DIM, hidden_size=HEADS * HEAD_DIM,
-                    max_context_len=max(prefix) + draft_tokens + 1, dtype=torch.float32, device="cpu",
+                    _Case(),
+                    build,
+                    head_dim=HEAD_DIM,
+                    hidden_size=HEADS * HEAD_DIM,
+                    max_context_len=max(prefix) + draft_tokens + 1,
+                    dtype=torch.float32,
+                    device="cpu",
                     loc_layout="shuffled_pages",
-                )  # fmt: skip
+                )
             batch = fixture.forward_batch
             if mode is ForwardMode.TARGET_VERIFY:
                 _prepare_target_verify_batch(batch, case, "cpu")

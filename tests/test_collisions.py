@@ -34,8 +34,11 @@ def sites(tmp_path: Path) -> list[Path]:
     plugins = [
         # 'alpha' and 'beta' both implement 'shared'; alpha sorts first, though its distribution sorts last.
         ("zz-alpha-dist", "alpha", _plugin("BackendSpec(name='shared', factory='a:B', aliases=('uno',))")),
-        ("aa-beta-dist", "beta",
-         _plugin("BackendSpec(name='shared', factory='b:B')", "BackendSpec(name='uno', factory='b:U')")),
+        (
+            "aa-beta-dist",
+            "beta",
+            _plugin("BackendSpec(name='shared', factory='b:B')", "BackendSpec(name='uno', factory='b:U')"),
+        ),
         # 'gamma' gives its backend an alias that is alpha's backend name.
         ("gamma-dist", "gamma", _plugin("BackendSpec(name='gamma_be', factory='g:B', aliases=('shared', 'g'))")),
         # 'fi' implements the built-in declared-only 'flashinfer'; 'fi2' tries too, later.
@@ -43,7 +46,7 @@ def sites(tmp_path: Path) -> list[Path]:
         ("fi2-dist", "fi2", _plugin("BackendSpec(name='flashinfer', factory='fi2:B')")),
         # 'dsa_impl' implements the built-in 'dsa', whose alias is 'nsa'.
         ("dsa-dist", "dsa_impl", _plugin("BackendSpec(name='dsa', factory='d:B')")),
-    ]  # fmt: skip
+    ]
     out = []
     for dist, name, source in plugins:
         site = tmp_path / dist

@@ -72,8 +72,13 @@ def test_an_installed_kit_without_its_engine_says_how_to_install_it(tmp_path: Pa
     """The kit is there but vLLM is not (on a temporary path, a kit whose suite would import vllm): one line, no
     collection traceback."""
     site = tmp_path / "site"
-    make_dist(site, "stray-vllm-kit", "0.1", {"attnhost.engine_suites": {"vllm": "stray_vllm_suite"}},
-              modules={"stray_vllm_suite": "import vllm\n" + SUITE})  # fmt: skip
+    make_dist(
+        site,
+        "stray-vllm-kit",
+        "0.1",
+        {"attnhost.engine_suites": {"vllm": "stray_vllm_suite"}},
+        modules={"stray_vllm_suite": "import vllm\n" + SUITE},
+    )
     if any(dist.metadata["Name"] == "vllm" for dist in importlib.metadata.distributions()):
         pytest.skip("vLLM is installed in this environment")
     proc = _pytest(["--attnhost-backend", "torch_native", "--attnhost-engine", "vllm"], tmp_path, [site])
@@ -92,8 +97,13 @@ def test_the_engine_option_needs_a_backend(tmp_path: Path) -> None:
 
 def test_the_engine_option_runs_the_installed_kits_suite_for_each_name(tmp_path: Path) -> None:
     site = tmp_path / "site"
-    make_dist(site, "acme-engine-kit", "0.1", {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
-              modules={"acme_kit_suite": SUITE})  # fmt: skip
+    make_dist(
+        site,
+        "acme-engine-kit",
+        "0.1",
+        {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
+        modules={"acme_kit_suite": SUITE},
+    )
     make_dist(site, "sglang", "0.5.23", {})  # the engine the kit is for (the stand-in suite never imports it)
     (tmp_path / "test_own.py").write_text("def test_own():\n    raise AssertionError('not collected')\n")
     proc = _pytest(["--attnhost-backend", "alpha,beta", "--attnhost-engine", "sglang"], tmp_path, [site])
@@ -105,8 +115,13 @@ def test_the_engine_option_runs_the_installed_kits_suite_for_each_name(tmp_path:
 def test_node_ids_a_failing_engine_run_printed_can_be_pasted_back(tmp_path: Path) -> None:
     """As for the conformance suite: ``::TestEngineKit::...[beta]`` from the summary runs just that test again."""
     site = tmp_path / "site"
-    make_dist(site, "acme-engine-kit", "0.1", {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
-              modules={"acme_kit_suite": SUITE})  # fmt: skip
+    make_dist(
+        site,
+        "acme-engine-kit",
+        "0.1",
+        {"attnhost.engine_suites": {"sglang": "acme_kit_suite"}},
+        modules={"acme_kit_suite": SUITE},
+    )
     make_dist(site, "sglang", "0.5.23", {})
     (tmp_path / "test_own.py").write_text("def test_own():\n    raise AssertionError('not collected')\n")
     node = "::TestEngineKit::test_inside_the_engine[beta]"

@@ -259,8 +259,15 @@ def test_record_is_frozen_hashable_picklable() -> None:
         rec.name = "other"  # type: ignore[misc]
     with pytest.raises(AttributeError):
         del rec.value
-    same = EntryPointRecord(name="n", value="m.sub:obj.attr [e]", group=G, distribution="dist", version="1.0",
-                            location="/x", source="/x/dist-1.0.dist-info")  # fmt: skip
+    same = EntryPointRecord(
+        name="n",
+        value="m.sub:obj.attr [e]",
+        group=G,
+        distribution="dist",
+        version="1.0",
+        location="/x",
+        source="/x/dist-1.0.dist-info",
+    )
     assert rec == same and hash(rec) == hash(same) and len({rec, same}) == 1
     assert rec != EntryPointRecord("n", "m.sub:obj.attr [e]", G, "dist", "1.1", "/x", "/x/dist-1.0.dist-info")
     assert pickle.loads(pickle.dumps(rec)) == rec
@@ -345,8 +352,22 @@ def test_a_cache_hit_imports_neither_importlib_metadata_nor_anything_heavy(tmp_p
     new_line, hits = run("hit")
     assert hits == "1"
     new = set(new_line.split())
-    heavy = {"importlib.metadata", "importlib_metadata", "email", "zipfile", "csv", "pathlib", "json",
-             "dataclasses", "inspect", "re", "tempfile", "hashlib", "typing", "contextlib", "logging"}  # fmt: skip
+    heavy = {
+        "importlib.metadata",
+        "importlib_metadata",
+        "email",
+        "zipfile",
+        "csv",
+        "pathlib",
+        "json",
+        "dataclasses",
+        "inspect",
+        "re",
+        "tempfile",
+        "hashlib",
+        "typing",
+        "contextlib",
+        "logging",
+    }
     assert not new & heavy, new
-    assert new <= {"attnhost.entry_points", "_blake2", "marshal", "stat", "_stat",
-                   "time", "__future__"}, new  # fmt: skip
+    assert new <= {"attnhost.entry_points", "_blake2", "marshal", "stat", "_stat", "time", "__future__"}, new

@@ -459,8 +459,12 @@ def test_a_forged_builtin_is_not_imported_even_with_autoload_disabled(site: Path
     (site / "evil_mod.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
     settle(WINDOW_NS)
     cached_scan()
-    _forge([("builtin", "evil_mod", "attnhost", "0.1.0", 0, "plug_a-1.0.dist-info"),
-            ("evil", "evil_mod", "attnhost", "0.1.0", 0, "plug_a-1.0.dist-info")])  # fmt: skip
+    _forge(
+        [
+            ("builtin", "evil_mod", "attnhost", "0.1.0", 0, "plug_a-1.0.dist-info"),
+            ("evil", "evil_mod", "attnhost", "0.1.0", 0, "plug_a-1.0.dist-info"),
+        ]
+    )
     code = _child_code(
         """
         import contextlib

@@ -156,25 +156,35 @@ class Noisy(Right):
 
 #: backend: the kit test that first meets its mistake, and what its failure message must say.
 EXPECTED = {
-    "no_scale": ("test_extend_without_prefix", "the output matches attention without the softmax scale (max abs "
-                 "error"),
+    "no_scale": ("test_extend_without_prefix", "the output matches attention without the softmax scale (max abs error"),
     "scale_doubled": ("test_extend_without_prefix", "the output matches attention with the softmax scale doubled"),
-    "scale_squared": ("test_extend_without_prefix", "the output matches attention with the softmax scale applied "
-                      "twice"),
-    "modulo_heads": ("test_extend_without_prefix", "the output matches attention with query head h reading KV head "
-                     "h % num_kv_heads"),
-    "misses_itself": ("test_extend_without_prefix", "the output matches attention with the causal mask off by one "
-                      "(a token does not see its own key)"),
-    "sees_the_next": ("test_extend_without_prefix", "the output matches attention with the causal mask off by one "
-                      "(a token also sees the next token's key)"),
-    "prefix_ignored": ("test_extend_with_cached_prefix", "the output matches attention over the new tokens only, "
-                       "the cached prefix ignored"),
-    "unshifted_mask": ("test_extend_with_cached_prefix", "the output matches attention whose causal mask is not "
-                       "shifted by the cached prefix"),
-    "reads_layer_zero": ("test_extend_without_prefix", "the output matches attention over layer 0's keys and "
-                         "values"),
+    "scale_squared": (
+        "test_extend_without_prefix",
+        "the output matches attention with the softmax scale applied twice",
+    ),
+    "modulo_heads": (
+        "test_extend_without_prefix",
+        "the output matches attention with query head h reading KV head h % num_kv_heads",
+    ),
+    "misses_itself": (
+        "test_extend_without_prefix",
+        "the output matches attention with the causal mask off by one (a token does not see its own key)",
+    ),
+    "sees_the_next": (
+        "test_extend_without_prefix",
+        "the output matches attention with the causal mask off by one (a token also sees the next token's key)",
+    ),
+    "prefix_ignored": (
+        "test_extend_with_cached_prefix",
+        "the output matches attention over the new tokens only, the cached prefix ignored",
+    ),
+    "unshifted_mask": (
+        "test_extend_with_cached_prefix",
+        "the output matches attention whose causal mask is not shifted by the cached prefix",
+    ),
+    "reads_layer_zero": ("test_extend_without_prefix", "the output matches attention over layer 0's keys and values"),
     "one_percent_off": ("test_extend_without_prefix", "the output is 1.01 times the correct one"),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")

@@ -187,9 +187,17 @@ class DenseOnly(TorchNativeAttnBackend):
 class WrongValueSlice(TorchNativeAttnBackend):
     """Absorbed MLA that takes the latent's *last* kv_lora_rank columns as V (a slip a port can make)."""
 
-    def forward_mla_mqa(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayer,
-                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: torch.Tensor | None = None,
-                        k_rope: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_mla_mqa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        q_rope: torch.Tensor | None = None,
+        k_rope: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         mla = layer.mla
         assert mla is not None
         pool, rank = forward_batch.kv_pool, mla.kv_lora_rank

@@ -90,9 +90,16 @@ def test_reference_agrees_with_hf_eager_attention(
     v = torch.randn(prefix + new, kv_heads, dim, generator=gen)
     sink = torch.randn(heads, generator=gen) if sinks else None
     ours = reference_request_attention(
-        q, k, v, prefix_len=prefix, scaling=0.5, sliding_window_size=-1 if window is None else window - 1,
-        logit_cap=cap or 0.0, sinks=sink, causal=causal,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        prefix_len=prefix,
+        scaling=0.5,
+        sliding_window_size=-1 if window is None else window - 1,
+        logit_cap=cap or 0.0,
+        sinks=sink,
+        causal=causal,
+    )
     hf = _hf_eager(
         q, k, v, prefix_len=prefix, scaling=0.5, sliding_window=window, softcap=cap, sinks=sink, causal=causal
     )
@@ -112,11 +119,13 @@ def test_reference_window_w_shows_exactly_w_plus_one_keys() -> None:
     expected = torch.zeros(seq, dtype=torch.float64)
     expected[seq - 1 - w :] = 1 / (w + 1)  # positions 6, 7, 8, 9: the query and the w keys before it
     torch.testing.assert_close(out[0, 0], expected, rtol=0, atol=1e-15)
-    causal_prefill = reference_request_attention(torch.zeros(seq, 1, seq), k, v, prefix_len=0, scaling=1.0,
-                                                 sliding_window_size=0)  # fmt: skip
+    causal_prefill = reference_request_attention(
+        torch.zeros(seq, 1, seq), k, v, prefix_len=0, scaling=1.0, sliding_window_size=0
+    )
     torch.testing.assert_close(causal_prefill[:, 0], torch.eye(seq, dtype=torch.float64))  # w = 0: itself only
-    both_ways = reference_request_attention(torch.zeros(4, 1, seq), k, v, prefix_len=seq - 4, scaling=1.0,
-                                            sliding_window_size=2, causal=False)  # fmt: skip
+    both_ways = reference_request_attention(
+        torch.zeros(4, 1, seq), k, v, prefix_len=seq - 4, scaling=1.0, sliding_window_size=2, causal=False
+    )
     # non-causal: the window limits the left side only; query at position 6 sees 4 .. 9
     torch.testing.assert_close(both_ways[0, 0, 4:], torch.full((6,), 1 / 6, dtype=torch.float64))
     assert not both_ways[0, 0, :4].any()
@@ -148,8 +157,15 @@ def test_reference_tree_positions_are_depths() -> None:
     prefix, parents = 3, (-1, 0, 1, 0)
     block = tree_mask(parents).view(4, 4)
     seq = prefix + 4
-    out = reference_request_attention(torch.zeros(4, 1, seq), torch.randn(seq, 1, seq), _one_hot_values(seq),
-                                      prefix_len=prefix, scaling=1.0, tree=block, sliding_window_size=1)  # fmt: skip
+    out = reference_request_attention(
+        torch.zeros(4, 1, seq),
+        torch.randn(seq, 1, seq),
+        _one_hot_values(seq),
+        prefix_len=prefix,
+        scaling=1.0,
+        tree=block,
+        sliding_window_size=1,
+    )
     weights = out[:, 0]
     assert weights[2].nonzero().flatten().tolist() == [prefix + 1, prefix + 2]  # parent (depth 1) and itself
     assert weights[3].nonzero().flatten().tolist() == [prefix, prefix + 3]  # depth 1: the root and itself
@@ -181,9 +197,17 @@ def _steps(causal: bool) -> list[tuple[ForwardMode, list[tuple[int, int, int]], 
 
 def _runner(dtype: torch.dtype, heads: int, kv_heads: int, *, is_draft: bool = False) -> ModelRunner:
     return ModelRunner(
-        ServerArgs(attention_backend="torch_native"), is_draft=is_draft, num_layers=1, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=16, max_requests=16, max_context_len=256, num_slots=4096, dtype=dtype,
-    )  # fmt: skip
+        ServerArgs(attention_backend="torch_native"),
+        is_draft=is_draft,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        max_requests=16,
+        max_context_len=256,
+        num_slots=4096,
+        dtype=dtype,
+    )
 
 
 def _scattered(runner: ModelRunner, length: int, gen: torch.Generator) -> int:
@@ -563,9 +587,12 @@ def variant_kit(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     """One pytest run of the kit's variant cases against every test backend: ``{class: {test: (status, message)}}``."""
     site = tmp_path_factory.mktemp("variant-site")
     make_dist(
-        site, "attnhost-variants", "0.1", {GROUP: {"variants": "attnhost_variants"}},
+        site,
+        "attnhost-variants",
+        "0.1",
+        {GROUP: {"variants": "attnhost_variants"}},
         modules={"attnhost_variants": _PLUGIN, "attnhost_variants_impl": _IMPL},
-    )  # fmt: skip
+    )
     project = tmp_path_factory.mktemp("variant-author")
     (project / "test_kit.py").write_text(_KIT_FILE)
     junit = project / "junit.xml"

@@ -279,9 +279,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             longest = max((plan.seq_len for plan in plans if plan.kv_run is None), default=0)
             self._plan = _BatchPlan(forward_batch, plans, None, longest)
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
         if save_kv_cache:
@@ -326,8 +333,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         return out.view(-1, layer.num_heads * layer.head_dim) if flat else out
 
-    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+    def forward_mla_mha(
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> Tensor:
         """MLA's MHA form (torch_native_mla.py); its batch is checked on the first layer only."""
         plan = self._plan_for(forward_batch)
         if self._mha_checked is not forward_batch:
@@ -335,9 +343,17 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._mha_checked = forward_batch
         return torch_native_mla.forward_mha(plan, q, k, v, layer)
 
-    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
-                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
-                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_mla_mqa(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        q_rope: Tensor | None = None,
+        k_rope: Tensor | None = None,
+    ) -> Tensor:
         """MLA's absorbed form, every forward mode (torch_native_mla.py)."""
         plan = self._plan_for(forward_batch)
         return torch_native_mla.forward_mqa(plan, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope)

@@ -58,9 +58,15 @@ def _fixture(case: DenseAttentionCase | None = None):  # type: ignore[no-untyped
 
 def _verify_fixture(prefix: tuple[int, ...] = (5, 9), draft_tokens: int = 3, topk: int = 1):  # type: ignore[no-untyped-def]
     case = DenseAttentionCase(
-        name="verify", backend=BACKEND, forward_mode=ForwardMode.TARGET_VERIFY, num_heads=4, num_kv_heads=2,
-        page_size=1, prefix_lens=prefix, extend_lens=(draft_tokens,) * len(prefix),
-    )  # fmt: skip
+        name="verify",
+        backend=BACKEND,
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        num_heads=4,
+        num_kv_heads=2,
+        page_size=1,
+        prefix_lens=prefix,
+        extend_lens=(draft_tokens,) * len(prefix),
+    )
     fixture = _fixture(case)
     verify_kit._prepare_target_verify_batch(fixture.forward_batch, case, "cpu")
     fixture.forward_batch.spec_info = verify_kit._make_spec_verify_input(
@@ -204,9 +210,13 @@ class _Failing(AttentionBackend):
 
 def _adapter(fixture, factory: type) -> SGLangAdapterBackend:  # type: ignore[no-untyped-def]
     return SGLangAdapterBackend(
-        fixture.runner, engine_name="boom", attnhost_name="boom", origin="plugin 'boom' (distribution boom-attn 1.0)",
-        factory=factory, capabilities=BackendCapabilities(flat_heads=True),
-    )  # fmt: skip
+        fixture.runner,
+        engine_name="boom",
+        attnhost_name="boom",
+        origin="plugin 'boom' (distribution boom-attn 1.0)",
+        factory=factory,
+        capabilities=BackendCapabilities(flat_heads=True),
+    )
 
 
 @pytest.mark.parametrize(

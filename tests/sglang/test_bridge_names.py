@@ -79,8 +79,11 @@ def test_an_override_that_does_nothing_says_why(value: str, why: str) -> None:
 
 
 def test_an_override_of_a_backend_that_cannot_run_here_gives_the_reason(tmp_path: Path) -> None:
-    site = _site(tmp_path, "cuda_only_attn", FA3.replace("requires=REQUIRES", "platforms=('cuda',)").replace(
-        '"fa3"', '"cuda_only"'))  # fmt: skip
+    site = _site(
+        tmp_path,
+        "cuda_only_attn",
+        FA3.replace("requires=REQUIRES", "platforms=('cuda',)").replace('"fa3"', '"cuda_only"'),
+    )
     report = run_probe({}, path_entries=[site], env={"ATTNHOST_SGLANG_OVERRIDE": "cuda_only"})
     lines = [m for m in _warnings(report) if m.startswith("ATTNHOST_SGLANG_OVERRIDE names 'cuda_only'")]
     assert len(lines) == 1 and "runs on cuda, not cpu" in lines[0], _warnings(report)

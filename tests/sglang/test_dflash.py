@@ -136,8 +136,13 @@ class DFlashRuns:
 
 
 def _acme_site(root: Path) -> Path:
-    make_dist(root, "acme-dflash", "1.0", {"sglang.draft_attention_backends": {"acme_dflash": "acme_dflash"}},
-              modules={"acme_dflash": ACME})  # fmt: skip
+    make_dist(
+        root,
+        "acme-dflash",
+        "1.0",
+        {"sglang.draft_attention_backends": {"acme_dflash": "acme_dflash"}},
+        modules={"acme_dflash": ACME},
+    )
     return root
 
 
@@ -164,8 +169,15 @@ def dflash(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> D
             draft_backend=case.draft_backend,
         )
         args["log_level"] = "warning"  # SGLang's fallback warning must reach stderr
-        runs.append({"name": case.name, "backend": case.target, "model": str(models[case.model].path),
-                     "engine_args": args, "env": PROBE_TARGETS})  # fmt: skip
+        runs.append(
+            {
+                "name": case.name,
+                "backend": case.target,
+                "model": str(models[case.model].path),
+                "engine_args": args,
+                "env": PROBE_TARGETS,
+            }
+        )
     done = run_engines(
         tiny_model.path,
         tiny_model.prompts,
@@ -305,9 +317,21 @@ def _resolve(argvs: list[tuple[list[str], dict[str, str]]], site: Path) -> tuple
 
 
 def _dflash_argv(model: Path, draft: Path, target: str, draft_backend: str | None = None) -> list[str]:
-    argv = ["--model-path", str(model), "--device", "cpu", "--skip-tokenizer-init", "--attention-backend", target,
-            "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft),
-            "--speculative-num-draft-tokens", str(dm.BLOCK_SIZE)]  # fmt: skip
+    argv = [
+        "--model-path",
+        str(model),
+        "--device",
+        "cpu",
+        "--skip-tokenizer-init",
+        "--attention-backend",
+        target,
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-num-draft-tokens",
+        str(dm.BLOCK_SIZE),
+    ]
     return argv + (["--speculative-draft-attention-backend", draft_backend] if draft_backend else [])
 
 

@@ -67,8 +67,9 @@ def mla_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) ->
         {"name": name, "backend": TARGET, "model": str(model.path), "passes": 2} for name, model in models.items()
     ]
     spec = speculative_args(str(draft), draft_backend=DRAFT)
-    runs.append({"name": "seed", "backend": TARGET, "model": small, "passes": 2, "engine_args": spec,
-                 "env": SPECULATIVE_ENV})  # fmt: skip
+    runs.append(
+        {"name": "seed", "backend": TARGET, "model": small, "passes": 2, "engine_args": spec, "env": SPECULATIVE_ENV}
+    )
     runs.append({"name": "tp2", "backend": TARGET, "model": small, "engine_args": {"tp_size": 2}, "env": RANK_CPUS})
     runs.append({"name": "batched", "backend": BATCHED, "model": small, "passes": 2})
     runs.append({"name": "refused", "backend": DRAFT, "model": small})  # last: a refused start ends its driver
@@ -106,8 +107,12 @@ def _ran(records: list[dict[str, Any]], runner: dict[str, Any]) -> set[tuple[str
 
 
 def _stamped(runner: dict[str, Any], name: str) -> bool:
-    stamps = ("prefill_attention_backend_str", "decode_attention_backend_str", "backend_prefill_str",
-              "backend_decode_str")  # fmt: skip
+    stamps = (
+        "prefill_attention_backend_str",
+        "decode_attention_backend_str",
+        "backend_prefill_str",
+        "backend_decode_str",
+    )
     return all(runner[stamp] == name for stamp in stamps)
 
 

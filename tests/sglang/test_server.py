@@ -96,15 +96,23 @@ def server(request: pytest.FixtureRequest, tiny_model: TinyModel, tmp_path: Path
     log = tmp_path / "server.log"
     cmd = driver_command(
         "launch_server",
-        "--model-path", str(tiny_model.path),
-        "--device", "cpu",
-        "--attention-backend", backend,
-        "--max-total-tokens", "4096",
-        "--dtype", "float32",
-        "--random-seed", "0",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-    )  # fmt: skip
+        "--model-path",
+        str(tiny_model.path),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        backend,
+        "--max-total-tokens",
+        "4096",
+        "--dtype",
+        "float32",
+        "--random-seed",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    )
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd,

@@ -116,8 +116,9 @@ def test_tree_masks_in_both_sglang_layouts_become_the_contracts_blocks() -> None
 
 def _draft_extend_fixture(backend: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
     case = _case(backend, ForwardMode.DRAFT_EXTEND_V2, (6, 11, 3), 4, (4, 2))
-    fixture = build_dense_attention_fixture(_KitCase(), dataclasses.replace(case, forward_mode=ForwardMode.EXTEND),
-                                            device="cpu", dtype=dtype)  # fmt: skip
+    fixture = build_dense_attention_fixture(
+        _KitCase(), dataclasses.replace(case, forward_mode=ForwardMode.EXTEND), device="cpu", dtype=dtype
+    )
     fixture.forward_batch.forward_mode = ForwardMode.DRAFT_EXTEND_V2
     _prepare_eagle_draft_extend_v2_batch(case, fixture.forward_batch, device="cpu")
     return fixture
@@ -235,9 +236,13 @@ def test_a_tree_verify_reaching_a_backend_without_tree_masks_is_refused_never_co
     with torch.no_grad():
         fixture = build_dense_attention_fixture(_KitCase(), case, device="cpu", dtype=torch.float32)
     chain_only = SGLangAdapterBackend(
-        fixture.runner, engine_name="chain_only", attnhost_name="chain_only", origin="plugin 'probe'",
-        factory=TorchNativeAttnBackend, capabilities=BackendCapabilities(tree_mask=False),
-    )  # fmt: skip
+        fixture.runner,
+        engine_name="chain_only",
+        attnhost_name="chain_only",
+        origin="plugin 'probe'",
+        factory=TorchNativeAttnBackend,
+        capabilities=BackendCapabilities(tree_mask=False),
+    )
     from sglang.test.kits.attention_unittest.runner_modes.speculative_target_verify_runner import (
         _make_eagle_verify_input,
         _prepare_target_verify_batch,

@@ -57,10 +57,15 @@ def _qkv(fixture, scale: float = 1.0):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize(
     ("window", "cap", "encoder_only", "with_sinks"),
-    [(3, 0.0, False, False), (-1, 2.0, False, False), (-1, 0.0, True, False), (-1, 0.0, False, True),
-     (5, 3.0, False, True)],
+    [
+        (3, 0.0, False, False),
+        (-1, 2.0, False, False),
+        (-1, 0.0, True, False),
+        (-1, 0.0, False, True),
+        (5, 3.0, False, True),
+    ],
     ids=["window", "cap", "encoder-only", "sinks", "all"],
-)  # fmt: skip
+)
 def test_a_layers_variants_reach_the_backend_as_the_reference_computes(
     window: int, cap: float, encoder_only: bool, with_sinks: bool
 ) -> None:
@@ -78,12 +83,18 @@ def test_a_layers_variants_reach_the_backend_as_the_reference_computes(
 
     facts = adapter._layers[layer.layer_id]
     assert (facts.sliding_window_size, facts.logit_cap, facts.is_causal, facts.has_sinks) == (
-        window, cap, not encoder_only, with_sinks,
-    )  # fmt: skip
+        window,
+        cap,
+        not encoder_only,
+        with_sinks,
+    )
     expected = reference_attention(q, facts, adapter._batch, sinks=None if sinks is None else sinks.float())
     torch.testing.assert_close(out.view_as(expected).double(), expected, atol=2e-5, rtol=2e-5)
-    plain = reference_attention(q, dataclasses.replace(facts, sliding_window_size=-1, logit_cap=0.0, has_sinks=False,
-                                                       is_causal=True), adapter._batch)  # fmt: skip
+    plain = reference_attention(
+        q,
+        dataclasses.replace(facts, sliding_window_size=-1, logit_cap=0.0, has_sinks=False, is_causal=True),
+        adapter._batch,
+    )
     assert not torch.allclose(out.view_as(plain).double(), plain, atol=1e-3), "the variant changed nothing"
 
 
@@ -114,8 +125,9 @@ def test_a_sinks_layer_called_without_sinks_is_refused() -> None:
     with pytest.raises(InvalidBatchError, match=r"sinks of shape \(3,\), not one per query head of this rank \(4,\)"):
         fixture2 = _fixture()
         fixture2.backend.init_forward_metadata(fixture2.forward_batch)
-        fixture2.backend.forward_extend(q, k, v, fixture2.actual_module.attn, fixture2.forward_batch,
-                                        save_kv_cache=False, sinks=torch.zeros(3))  # fmt: skip
+        fixture2.backend.forward_extend(
+            q, k, v, fixture2.actual_module.attn, fixture2.forward_batch, save_kv_cache=False, sinks=torch.zeros(3)
+        )
 
 
 @pytest.mark.parametrize(

@@ -76,23 +76,49 @@ def variant_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory
     build_draft_model(draft, models["gemma2"].path, copy_of_target=True)
 
     runs: list[dict[str, Any]] = [
-        {"name": name, "backend": backend, "model": str(models[kind].path), "prompts": models[kind].prompts,
-         "passes": 2, "engine_args": args}
+        {
+            "name": name,
+            "backend": backend,
+            "model": str(models[kind].path),
+            "prompts": models[kind].prompts,
+            "passes": 2,
+            "engine_args": args,
+        }
         for name, (kind, backend, _, args) in PLAIN_RUNS.items()
-    ]  # fmt: skip
+    ]
     gemma2 = models["gemma2"]
-    runs.append({"name": "gemma2-spec", "backend": TORCH_NATIVE, "model": str(gemma2.path), "prompts": gemma2.prompts,
-                 "passes": 2, "engine_args": speculative_args(str(draft), draft_backend=TORCH_NATIVE)})  # fmt: skip
-    runs.append({"name": "mistral", "backend": TORCH_NATIVE, "model": str(mistral), "prompts": prompts,
-                 "engine_args": {"log_level": "warning"}})  # fmt: skip
+    runs.append(
+        {
+            "name": "gemma2-spec",
+            "backend": TORCH_NATIVE,
+            "model": str(gemma2.path),
+            "prompts": gemma2.prompts,
+            "passes": 2,
+            "engine_args": speculative_args(str(draft), draft_backend=TORCH_NATIVE),
+        }
+    )
+    runs.append(
+        {
+            "name": "mistral",
+            "backend": TORCH_NATIVE,
+            "model": str(mistral),
+            "prompts": prompts,
+            "engine_args": {"log_level": "warning"},
+        }
+    )
     gpt_oss = models["gpt_oss"]
     runs.append({"name": "gpt_oss-tiny", "backend": TINY, "model": str(gpt_oss.path), "prompts": gpt_oss.prompts})
     # last: a start refused in the scheduler ends its driver
     runs.append({"name": "gemma2-tiny", "backend": TINY, "model": str(gemma2.path), "prompts": gemma2.prompts})
     done = run_engines(
-        gemma2.path, gemma2.prompts, NEW_TOKENS, runs, tmp_path_factory.mktemp("variant-probes"), env=PROBE_TARGETS,
+        gemma2.path,
+        gemma2.prompts,
+        NEW_TOKENS,
+        runs,
+        tmp_path_factory.mktemp("variant-probes"),
+        env=PROBE_TARGETS,
         timeout=1800,
-    )  # fmt: skip
+    )
     return VariantRuns(models, done)
 
 
@@ -146,8 +172,11 @@ def test_speculative_chain_with_windows_and_caps(variant_runs: VariantRuns) -> N
     for meta in result["meta_info"] + second["meta_info"]:
         assert meta.get("spec_verify_ct", 0) > 0, meta
     records = read_probe(variant_runs.runs.probes["gemma2-spec"])
-    modes = {(r["is_draft_worker"], r["mode"]) for r in records if r["event"] == "forward"
-             and r["backend_class"] == TORCH_NATIVE_CODE}  # fmt: skip
+    modes = {
+        (r["is_draft_worker"], r["mode"])
+        for r in records
+        if r["event"] == "forward" and r["backend_class"] == TORCH_NATIVE_CODE
+    }
     assert {(False, "TARGET_VERIFY"), (True, "DRAFT_EXTEND_V2"), (True, "DECODE")} <= modes, modes
 
 

@@ -80,10 +80,18 @@ def main() -> None:
 
         def reasons(head_size: int, dtype: torch.dtype) -> list[str]:
             found: list[str] = cls.validate_configuration(
-                head_size=head_size, dtype=dtype, kv_cache_dtype="auto", block_size=16, use_mla=False,
-                has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-                device_capability=DeviceCapability(9, 0), attn_type="decoder",
-            )  # fmt: skip
+                head_size=head_size,
+                dtype=dtype,
+                kv_cache_dtype="auto",
+                block_size=16,
+                use_mla=False,
+                has_sink=False,
+                use_sparse=False,
+                use_mm_prefix=False,
+                use_per_head_quant_scales=False,
+                device_capability=DeviceCapability(9, 0),
+                attn_type="decoder",
+            )
             return found
 
         result["adapter"] = {

@@ -78,8 +78,9 @@ def kit_env(path_entries: tuple[Path, ...] = ()) -> dict[str, str]:
         *map(str, path_entries),
         *(str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p),
     ]
-    env.update({"PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-                "COLUMNS": "1000"})  # fmt: skip
+    env.update(
+        {"PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "COLUMNS": "1000"}
+    )
     return env
 
 
@@ -87,10 +88,25 @@ def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Pa
     """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
     args = [arg for name in names for arg in ("--attnhost-backend", name)]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfs", *args, "--attnhost-engine", "vllm",
-         *extra],
-        capture_output=True, text=True, cwd=cwd, env=kit_env(path_entries), timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rfs",
+            *args,
+            "--attnhost-engine",
+            "vllm",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=kit_env(path_entries),
+        timeout=900,
+    )
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -117,8 +133,12 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
     )
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_other.py"],
-        capture_output=True, text=True, cwd=tmp_path, env=kit_env(), timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=kit_env(),
+        timeout=120,
+    )
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -133,8 +153,13 @@ def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: P
 
 def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path: Path) -> None:
     site = tmp_path / "site"
-    make_dist(site, "wrong-attn", "1.0", {"sglang.draft_attention_backends": {"wrong": "wrong_attn:WrongAttnBackend"}},
-              modules={"wrong_attn": WRONG})  # fmt: skip
+    make_dist(
+        site,
+        "wrong-attn",
+        "1.0",
+        {"sglang.draft_attention_backends": {"wrong": "wrong_attn:WrongAttnBackend"}},
+        modules={"wrong_attn": WRONG},
+    )
     status, output = one_command(["wrong"], tmp_path, "-k", "test_forward and decode-gqa-block16", path_entries=(site,))
     assert status == 1, output[-4000:]
     assert counts(output) == {"failed": 1, "skipped": 2, "deselected": ALL_DTYPES - 3}, output[-2000:]
@@ -151,9 +176,13 @@ def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path:
 
 def test_wrong_mla_numerics_fail_naming_the_backend_its_mla_name_and_the_case(tmp_path: Path) -> None:
     site = tmp_path / "site"
-    make_dist(site, "wrong-latent", "1.0",
-              {"sglang.draft_attention_backends": {"wrong_latent": "wrong_latent:WrongLatentBackend"}},
-              modules={"wrong_latent": WRONG_LATENT})  # fmt: skip
+    make_dist(
+        site,
+        "wrong-latent",
+        "1.0",
+        {"sglang.draft_attention_backends": {"wrong_latent": "wrong_latent:WrongLatentBackend"}},
+        modules={"wrong_latent": WRONG_LATENT},
+    )
     status, output = one_command(["wrong_latent"], tmp_path, "-k", "test_mla and -block16-", path_entries=(site,))
     assert status == 1, output[-4000:]
     # prefill takes the MHA form (torch_native's, right); the other four batches reach the absorbed form

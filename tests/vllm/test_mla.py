@@ -38,8 +38,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, KVQuant
 from attnhost.backend import AttentionLayer
 from attnhost.engines.vllm import bridge
 from attnhost.engines.vllm.adapter import UnsupportedFeatureError
-from attnhost.engines.vllm.mla_adapter import MLA_KV_LAYOUTS, mla_backend_class
 from attnhost.engines.vllm.bridge import ClassPath
+from attnhost.engines.vllm.mla_adapter import MLA_KV_LAYOUTS, mla_backend_class
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.mla import MLAConfig, MLAForm
@@ -48,8 +48,10 @@ from attnhost.testing.mla_reference import reference_mla_absorbed, reference_mla
 from attnhost_builtin.torch_native import TorchNativeAttnBackend
 
 NAME = "TORCH_NATIVE_MLA"
-SHAPES = {"latent32": MLA_SHAPE, "latent64": MLAConfig(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32,
-                                                      v_head_dim=32)}  # fmt: skip
+SHAPES = {
+    "latent32": MLA_SHAPE,
+    "latent64": MLAConfig(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32),
+}
 SPLITS = {"prefill": (0, 3), "decode": (4, 0), "mixed": (2, 2), "mixed_with_prefix": (4, 0), "prefix_cached": (3, 0)}
 """(num_decodes, num_prefills) vLLM's layer gets: requests served by forward_mqa, and by forward_mha."""
 LAYER_NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -69,12 +71,24 @@ def mla_class() -> Any:
 def impl_for(case: MLACase, cls: Any = None, kv_b_proj: Any = None, **overrides: Any) -> Any:
     mla = case.mla
     args: dict[str, Any] = dict(
-        num_heads=case.num_heads, head_size=mla.latent_dim, scale=case.scale, num_kv_heads=1, alibi_slopes=None,
-        sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
-        kv_sharing_target_layer_name=None, q_lora_rank=None, kv_lora_rank=mla.kv_lora_rank,
-        qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim, qk_head_dim=mla.qk_head_dim,
-        v_head_dim=mla.v_head_dim, kv_b_proj=kv_b_proj,
-    )  # fmt: skip
+        num_heads=case.num_heads,
+        head_size=mla.latent_dim,
+        scale=case.scale,
+        num_kv_heads=1,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
+        kv_sharing_target_layer_name=None,
+        q_lora_rank=None,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        qk_head_dim=mla.qk_head_dim,
+        v_head_dim=mla.v_head_dim,
+        kv_b_proj=kv_b_proj,
+    )
     args.update(overrides)
     return (cls or mla_class()).get_impl_cls()(**args)
 
@@ -82,8 +96,14 @@ def impl_for(case: MLACase, cls: Any = None, kv_b_proj: Any = None, **overrides:
 def attnhost_batch(case: MLACase, layer: int) -> tuple[ForwardBatch, MLAKVPool]:
     """The case's batch on attnhost's own latent pool, in float64, laid out by attnhost (not by vLLM's blocks)."""
     reqs = case.requests
-    pool = MLAKVPool(1, sum(r.seq for r in reqs), case.mla, max_requests=len(reqs),
-                     max_context_len=max(r.seq for r in reqs), dtype=torch.float64)  # fmt: skip
+    pool = MLAKVPool(
+        1,
+        sum(r.seq for r in reqs),
+        case.mla,
+        max_requests=len(reqs),
+        max_context_len=max(r.seq for r in reqs),
+        dtype=torch.float64,
+    )
     specs = []
     for r in reqs:
         row = pool.alloc_request()
@@ -99,8 +119,9 @@ def attnhost_batch(case: MLACase, layer: int) -> tuple[ForwardBatch, MLAKVPool]:
 def kv_b_proj_for(case: MLACase, layer: int, dtype: torch.dtype) -> ColumnParallelLinear:
     mla = case.mla
     with set_current_vllm_config(VllmConfig()):
-        proj = ColumnParallelLinear(mla.kv_lora_rank, case.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
-                                    bias=False, params_dtype=dtype)  # fmt: skip
+        proj = ColumnParallelLinear(
+            mla.kv_lora_rank, case.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, params_dtype=dtype
+        )
     with torch.no_grad():
         proj.weight.copy_(case.weights[layer].to(dtype))
     proj._cpu_skip_gemm_dispatch = True  # as MLAAttention marks its kv_b_proj
@@ -259,8 +280,9 @@ class WrongMHA(TorchNativeAttnBackend):
         return super().forward_mla_mha(*args, **kwargs) * 1.5
 
 
-@pytest.mark.parametrize(("factory", "fails", "passes"), [(WrongAbsorbed, "decode", "prefill"),
-                                                          (WrongMHA, "prefill", "decode")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("factory", "fails", "passes"), [(WrongAbsorbed, "decode", "prefill"), (WrongMHA, "prefill", "decode")]
+)
 def test_each_form_is_checked_where_vllm_calls_it(factory: type, fails: str, passes: str) -> None:
     identity = dataclasses.replace(mla_class().identity, factory=factory, engine_name=f"{factory.__name__.upper()}")
     cls = mla_backend_class(identity)
@@ -274,10 +296,18 @@ def test_each_form_is_checked_where_vllm_calls_it(factory: type, fails: str, pas
 
 def reasons(name: str, **overrides: object) -> list[str]:
     config: dict[str, object] = dict(
-        head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=True, has_sink=False,
-        use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-        device_capability=DeviceCapability(9, 0), attn_type=AttentionType.DECODER,
-    )  # fmt: skip
+        head_size=576,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=True,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=DeviceCapability(9, 0),
+        attn_type=AttentionType.DECODER,
+    )
     config.update(overrides)
     found: list[str] = AttentionBackendEnum[name].get_class().validate_configuration(**config)
     return found
@@ -305,16 +335,23 @@ def mla_spec(**overrides: Any) -> MLAAttentionSpec:
 @pytest.mark.parametrize(
     ("name", "spec", "says"),
     [
-        ("TORCH_NATIVE", mla_spec(), "MLA (multi-head latent attention) under its dense name; select its MLA backend, "
-                                     "--attention-backend torch_native_mla"),
+        (
+            "TORCH_NATIVE",
+            mla_spec(),
+            "MLA (multi-head latent attention) under its dense name; select its MLA backend, "
+            "--attention-backend torch_native_mla",
+        ),
         ("TINY", mla_spec(), "MLA (multi-head latent attention): it does not declare BackendCapabilities.mla"),
-        (NAME, FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32),
-         "FullAttentionSpec KV-cache groups (dense attention) under its MLA name; select its dense backend"),
+        (
+            NAME,
+            FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32),
+            "FullAttentionSpec KV-cache groups (dense attention) under its MLA name; select its dense backend",
+        ),
         (NAME, mla_spec(kv_quant_mode=KVQuantMode.FP8_PER_TENSOR, cache_dtype_str="fp8"), "a quantized MLA cache"),
         (NAME, mla_spec(topk_buffer_width=2048), "DeepSeek sparse attention"),
         (NAME, mla_spec(num_kv_heads=2), "2 KV heads"),
     ],
-)  # fmt: skip
+)
 def test_builders_refuse_what_their_name_cannot_serve(name: str, spec: object, says: str) -> None:
     with pytest.raises(UnsupportedFeatureError) as info:
         AttentionBackendEnum[name].get_class().get_builder_cls()(spec, ["layer.0"], VllmConfig(), "cpu")

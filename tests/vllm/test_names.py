@@ -39,8 +39,13 @@ def _scenario(paths: list[Path], env: dict[str, str]) -> dict[str, Any]:
 
 
 def test_names_that_fold_to_one_vllm_name_keep_the_first_and_warn_naming_both(tmp_path: Path) -> None:
-    make_dist(tmp_path, "folded-attn", "1.0", {"sglang.draft_attention_backends": {"folded": "folded_attn"}},
-              modules={"folded_attn": FOLDED})  # fmt: skip
+    make_dist(
+        tmp_path,
+        "folded-attn",
+        "1.0",
+        {"sglang.draft_attention_backends": {"folded": "folded_attn"}},
+        modules={"folded_attn": FOLDED},
+    )
     result = _scenario([tmp_path], {"ATTNHOST_VLLM_OVERRIDE": "fa4"})
     assert result["registered"].count("MY_ATTN") == 1
     warnings = [message for level, message in result["log"] if level == "WARNING"]

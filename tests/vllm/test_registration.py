@@ -102,17 +102,26 @@ def test_clash_keeps_vllms_backend_and_renames_ours(scenarios: dict[str, dict[st
     assert result["paths"]["FLEX_ATTENTION"] == "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend"
     assert result["paths"]["ATTNHOST_FLEX_ATTENTION"] == "attnhost.engines.vllm.backends.ATTNHOST_FLEX_ATTENTION"
     assert result["registered"] == [
-        "ATTNHOST_FLEX_ATTENTION", "BATCHED_MATMUL", "BATCHED_MATMUL_MLA", "CPU_PAGED", "TINY", "TORCH_NATIVE",
+        "ATTNHOST_FLEX_ATTENTION",
+        "BATCHED_MATMUL",
+        "BATCHED_MATMUL_MLA",
+        "CPU_PAGED",
+        "TINY",
+        "TORCH_NATIVE",
         "TORCH_NATIVE_MLA",
-    ]  # fmt: skip
+    ]
     warnings = [message for level, message in result["log"] if level == "WARNING"]
     assert len(warnings) == 1, warnings
     assert "'flex_attention'" in warnings[0] and "'ATTNHOST_FLEX_ATTENTION'" in warnings[0]
     assert "ATTNHOST_VLLM_OVERRIDE=flex_attention" in warnings[0]
     infos = [message for level, message in result["log"] if level == "INFO"]
     assert len(infos) == 1 and "ATTNHOST_FLEX_ATTENTION as attnhost 'flex_attention'" in infos[0], infos
-    assert result["has"] == {"FA3": False, "ATTNHOST_FLASHINFER": False, "FLASHINFER": True,
-                             "ATTNHOST_TORCH_NATIVE": False}  # fmt: skip
+    assert result["has"] == {
+        "FA3": False,
+        "ATTNHOST_FLASHINFER": False,
+        "FLASHINFER": True,
+        "ATTNHOST_TORCH_NATIVE": False,
+    }
 
 
 def test_capabilities_become_vllms_supported_dtypes_and_head_sizes(scenarios: dict[str, dict[str, Any]]) -> None:
@@ -131,8 +140,15 @@ def test_capabilities_become_vllms_supported_dtypes_and_head_sizes(scenarios: di
 def test_opt_in_override_replaces_vllms_backend(scenarios: dict[str, dict[str, Any]]) -> None:
     result = scenarios["override"]
     assert result["paths"]["FLEX_ATTENTION"] == "attnhost.engines.vllm.backends.FLEX_ATTENTION"
-    assert result["registered"] == ["BATCHED_MATMUL", "BATCHED_MATMUL_MLA", "CPU_PAGED", "FLEX_ATTENTION", "TINY",
-                                    "TORCH_NATIVE", "TORCH_NATIVE_MLA"]  # fmt: skip
+    assert result["registered"] == [
+        "BATCHED_MATMUL",
+        "BATCHED_MATMUL_MLA",
+        "CPU_PAGED",
+        "FLEX_ATTENTION",
+        "TINY",
+        "TORCH_NATIVE",
+        "TORCH_NATIVE_MLA",
+    ]
     assert result["adapter"]["attnhost_name"] == "flex_attention"
     warnings = [message for level, message in result["log"] if level == "WARNING"]
     assert len(warnings) == 1 and "replaces vLLM's own 'FLEX_ATTENTION'" in warnings[0], warnings

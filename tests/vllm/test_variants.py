@@ -48,20 +48,35 @@ def backend(name: str) -> Any:
 
 def impl(name: str, **overrides: Any) -> Any:
     args: dict[str, Any] = dict(
-        num_heads=4, head_size=32, scale=0.1, num_kv_heads=2, alibi_slopes=None, sliding_window=None,
-        kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+        num_heads=4,
+        head_size=32,
+        scale=0.1,
+        num_kv_heads=2,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type=AttentionType.DECODER,
         kv_sharing_target_layer_name=None,
-    )  # fmt: skip
+    )
     args.update(overrides)
     return backend(name).get_impl_cls()(**args)
 
 
 def reasons(name: str, **overrides: object) -> list[str]:
     config: dict[str, object] = dict(
-        head_size=64, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False, has_sink=False,
-        use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-        device_capability=DeviceCapability(9, 0), attn_type=AttentionType.DECODER,
-    )  # fmt: skip
+        head_size=64,
+        dtype=torch.bfloat16,
+        kv_cache_dtype="auto",
+        block_size=16,
+        use_mla=False,
+        has_sink=False,
+        use_sparse=False,
+        use_mm_prefix=False,
+        use_per_head_quant_scales=False,
+        device_capability=DeviceCapability(9, 0),
+        attn_type=AttentionType.DECODER,
+    )
     config.update(overrides)
     found: list[str] = backend(name).validate_configuration(**config)
     return found
@@ -76,9 +91,12 @@ def test_the_selector_accepts_what_the_backend_declares(name: str) -> None:
     assert cls.supports_sink() and cls.supports_sliding_window() and cls.supports_non_causal()
     assert not cls.supports_attn_type(AttentionType.ENCODER_ONLY)  # no KV cache there: attnhost reads the cache
     served: list[dict[str, bool]] = [
-        {"has_sink": True}, {"has_sliding_window": True}, {"use_non_causal": True},
-        {"has_sink": True, "has_sliding_window": True}, {"has_sink": True, "use_non_causal": True},
-    ]  # fmt: skip
+        {"has_sink": True},
+        {"has_sliding_window": True},
+        {"use_non_causal": True},
+        {"has_sink": True, "has_sliding_window": True},
+        {"has_sink": True, "use_non_causal": True},
+    ]
     for flags in served:
         assert reasons(name, **flags) == [], flags
 
@@ -87,12 +105,16 @@ def test_the_selector_accepts_what_the_backend_declares(name: str) -> None:
     ("flags", "says"),
     [
         ({"has_sink": True}, "attention sinks not supported: it does not declare BackendCapabilities.sinks"),
-        ({"has_sliding_window": True}, "sliding window not supported: it does not declare "
-                                       "BackendCapabilities.sliding_window"),
-        ({"use_non_causal": True}, "non-causal attention not supported: it does not declare "
-                                   "BackendCapabilities.non_causal"),
+        (
+            {"has_sliding_window": True},
+            "sliding window not supported: it does not declare BackendCapabilities.sliding_window",
+        ),
+        (
+            {"use_non_causal": True},
+            "non-causal attention not supported: it does not declare BackendCapabilities.non_causal",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_selector_refuses_what_the_backend_does_not_declare(flags: dict[str, bool], says: str) -> None:
     cls = backend(PLAIN)
     assert not (cls.supports_sink() or cls.supports_sliding_window() or cls.supports_non_causal())
@@ -133,14 +155,21 @@ def test_the_impl_carries_vllms_variants_in_attnhosts_terms() -> None:
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        ({"sliding_window": 8}, "sliding-window attention (sliding_window_size=7; it does not declare "
-                                "sliding_window), asked by vLLM as sliding_window=8"),
-        ({"logits_soft_cap": 30.0}, "logit soft-capping (logit_cap=30; it does not declare logit_cap), asked by "
-                                    "vLLM as logits_soft_cap=30.0"),
-        ({"sinks": torch.zeros(4)}, "attention sinks (has_sinks=True; it does not declare sinks), asked by vLLM as "
-                                    "sinks"),
+        (
+            {"sliding_window": 8},
+            "sliding-window attention (sliding_window_size=7; it does not declare "
+            "sliding_window), asked by vLLM as sliding_window=8",
+        ),
+        (
+            {"logits_soft_cap": 30.0},
+            "logit soft-capping (logit_cap=30; it does not declare logit_cap), asked by vLLM as logits_soft_cap=30.0",
+        ),
+        (
+            {"sinks": torch.zeros(4)},
+            "attention sinks (has_sinks=True; it does not declare sinks), asked by vLLM as sinks",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_impl_refuses_a_variant_the_backend_does_not_declare(overrides: dict[str, Any], says: str) -> None:
     with pytest.raises(UnsupportedFeatureError) as info:
         impl(PLAIN, **overrides)
@@ -199,10 +228,13 @@ def test_the_builder_serves_windowed_and_non_causal_groups_where_declared() -> N
         (PLAIN, full_spec(sliding_window=64), "sliding-window attention (vLLM sliding_window=64"),
         (PLAIN, full_spec(non_causal=True), "non-causal (bidirectional) attention (it does not declare non_causal)"),
         ("TORCH_NATIVE", full_spec(attention_chunk_size=64), "chunked local attention"),
-        ("TORCH_NATIVE", RSWASpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, rswa_window=64),
-         "reference sliding-window attention (R-SWA)"),
+        (
+            "TORCH_NATIVE",
+            RSWASpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, rswa_window=64),
+            "reference sliding-window attention (R-SWA)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_builder_refuses_groups_it_cannot_serve(name: str, spec: Any, says: str) -> None:
     with pytest.raises(UnsupportedFeatureError) as info:
         builder(name, spec)
@@ -238,12 +270,15 @@ def test_a_windowed_layer_in_a_full_group_refuses_a_non_causal_batch() -> None:
 # -- numbers ---------------------------------------------------------------------------------------------------------
 
 NUMERIC_CASES = [
-    pytest.param(name, ForwardCase("mixed", "gqa", block, torch.float32, variant=variant),
-                 id=f"{name.lower()}-{variant}-block{block}")
+    pytest.param(
+        name,
+        ForwardCase("mixed", "gqa", block, torch.float32, variant=variant),
+        id=f"{name.lower()}-{variant}-block{block}",
+    )
     for name in VARIANT_BACKENDS
     for variant in VARIANTS
     for block in VARIANT_BLOCK_SIZES
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "fcase"), NUMERIC_CASES)
@@ -257,18 +292,27 @@ def test_vllms_attention_layer_with_a_window_a_soft_cap_and_sinks() -> None:
     cls = backend("TORCH_NATIVE")
     heads, kv_heads, dim = 8, 2, 32
     variant = Variant(sliding_window=WINDOW, logits_soft_cap=1.5, sinks=True)
-    case = make_case([(16, 4), (WINDOW, 1), (33, 2), (0, 10)], block_size=4, num_heads=heads, num_kv_heads=kv_heads,
-                     variant=variant)  # fmt: skip
+    case = make_case(
+        [(16, 4), (WINDOW, 1), (33, 2), (0, 10)], block_size=4, num_heads=heads, num_kv_heads=kv_heads, variant=variant
+    )
     assert case.sinks is not None
     config = VllmConfig()
     names = [f"model.layers.{i}.self_attn.attn" for i in range(len(case.caches))]
     with set_current_vllm_config(config):
         layers = [
-            Attention(heads, dim, dim**-0.5, num_kv_heads=kv_heads, prefix=n, attn_backend=cls,
-                      per_layer_sliding_window=WINDOW, logits_soft_cap=1.5,
-                      sinks=torch.nn.Parameter(torch.full((heads,), float("-inf")), requires_grad=False))
+            Attention(
+                heads,
+                dim,
+                dim**-0.5,
+                num_kv_heads=kv_heads,
+                prefix=n,
+                attn_backend=cls,
+                per_layer_sliding_window=WINDOW,
+                logits_soft_cap=1.5,
+                sinks=torch.nn.Parameter(torch.full((heads,), float("-inf")), requires_grad=False),
+            )
             for n in names
-        ]  # fmt: skip
+        ]
     for layer, cache, sinks in zip(layers, case.caches, case.sinks, strict=True):
         assert layer.impl.layer.sliding_window_size == WINDOW - 1 and layer.has_sink
         layer.impl.sinks.data.copy_(sinks)  # weight loading writes into the parameter the impl holds
@@ -300,15 +344,29 @@ class _Wrong(TorchNativeAttnBackend):
     def wrong(self, layer: AttentionLayer, sinks: torch.Tensor | None) -> tuple[AttentionLayer, torch.Tensor | None]:
         raise NotImplementedError
 
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         layer, sinks = self.wrong(layer, sinks)
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)
 
-    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         layer, sinks = self.wrong(layer, sinks)
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)
 

@@ -134,8 +134,10 @@ def plan_exports(
                 )
             if entry.spec.implemented:  # a declared-only name adds nothing to an engine
                 skipped.append(f"{entry.name}: {availability.reason}")
-                if (line := f"attnhost backend {entry.name!r} ({entry.label}) is not registered in {engine}: "
-                        f"{availability.reason}") not in _said:  # fmt: skip
+                if (
+                    line := f"attnhost backend {entry.name!r} ({entry.label}) is not registered in {engine}: "
+                    f"{availability.reason}"
+                ) not in _said:
                     _said.add(line)
                     logger.info("%s", line)
             continue

@@ -169,9 +169,12 @@ class VariantConformance(ConformanceHarness):
             label = self._variant_label("sliding window in the draft", dtype, layers)
             r = [runner.new_request() for _ in range(3)]
             self._forward(
-                runner, ForwardMode.EXTEND, [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)], f"{label}: prefill",
+                runner,
+                ForwardMode.EXTEND,
+                [(r[0], 0, 13), (r[1], 0, 1), (r[2], 0, 30)],
+                f"{label}: prefill",
                 layers=layers,
-            )  # fmt: skip
+            )
             batch = [(r[0], 13, 3), (r[1], 1, 1), (r[2], 30, 4)]
             self._forward(runner, ForwardMode.DRAFT_EXTEND_V2, batch, f"{label}: draft-extend v2", layers=layers)
             if full:

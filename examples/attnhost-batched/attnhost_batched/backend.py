@@ -121,9 +121,16 @@ class BatchedMatmulAttnBackend(AttentionBackend):
             raise RuntimeError("batched_matmul: init_forward_metadata() was not called for this ForwardBatch")
         return meta
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True,
-                       sinks: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
         meta = self._plan(forward_batch)
         if sinks is None and layer.has_sinks:
             raise ValueError(
@@ -183,8 +190,9 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         out = out.view(kv_heads, batch * max_queries, group, dim).index_select(1, meta.query_rows)
         return out.transpose(0, 1).reshape(-1, heads, dim).to(q.dtype)
 
-    def forward_mla_mha(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                        forward_batch: ForwardBatch) -> Tensor:  # fmt: skip
+    def forward_mla_mha(
+        self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> Tensor:
         """MLA's MHA form: causal attention over the ``k``/``v`` arguments; the caller has written the latent."""
         meta = self._plan(forward_batch)
         if meta.prefixed is not None:
@@ -198,9 +206,17 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         out = attend_mha(meta, q.view(-1, heads, qk_dim), k.view(-1, heads, qk_dim), v.view(-1, heads, v_dim), layer)
         return out.view(-1, heads * v_dim) if q.dim() == 2 else out
 
-    def forward_mla_mqa(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: AttentionLayer,
-                        forward_batch: ForwardBatch, save_kv_cache: bool = True, q_rope: Tensor | None = None,
-                        k_rope: Tensor | None = None) -> Tensor:  # fmt: skip
+    def forward_mla_mqa(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+        q_rope: Tensor | None = None,
+        k_rope: Tensor | None = None,
+    ) -> Tensor:
         """MLA's absorbed form: write the new latent rows when asked, then attend over every request's rows."""
         meta = self._plan(forward_batch)
         mla = layer.mla

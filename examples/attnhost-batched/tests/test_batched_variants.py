@@ -70,9 +70,16 @@ def _randn(generator: torch.Generator, dtype: torch.dtype, shape: Sequence[int],
 def _runner(dtype: torch.dtype = torch.float32, heads: int = 4, kv_heads: int = 2) -> ModelRunner:
     args = ServerArgs(attention_backend="batched_matmul")
     return ModelRunner(
-        args, num_layers=3, num_heads=heads, num_kv_heads=kv_heads, head_dim=HEAD_DIM, max_requests=16,
-        max_context_len=64, num_slots=512, dtype=dtype,
-    )  # fmt: skip
+        args,
+        num_layers=3,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        max_requests=16,
+        max_context_len=64,
+        num_slots=512,
+        dtype=dtype,
+    )
 
 
 def _case(

@@ -65,8 +65,15 @@ class CpuPagedAttnBackend(AttentionBackend):
         )
         self._batch = forward_batch
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> Tensor:
         plan = self._plan
         if forward_batch is not self._batch or plan is None:
             raise RuntimeError(

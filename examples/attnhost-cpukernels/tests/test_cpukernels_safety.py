@@ -218,8 +218,9 @@ def _run_child(cases: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}  # the threaded path, as a server runs it
     stdin = json.dumps([STATE, cases])
     try:
-        proc = subprocess.run([sys.executable, "-c", CHILD], input=stdin, capture_output=True, text=True, timeout=120,
-                              env=env)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD], input=stdin, capture_output=True, text=True, timeout=120, env=env
+        )
         stdout, stderr, failure = proc.stdout, proc.stderr, "" if proc.returncode == 0 else f"exit {proc.returncode}"
     except subprocess.TimeoutExpired as exc:
         stdout, stderr, failure = str(exc.stdout or ""), str(exc.stderr or ""), "a hang (no answer in 120 s)"

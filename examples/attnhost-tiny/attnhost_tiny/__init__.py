@@ -30,8 +30,15 @@ class TinyAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing to precompute: every layer reads the slot table directly."""
 
-    def forward_extend(self, q: Tensor, k: Tensor, v: Tensor, layer: AttentionLayer,
-                       forward_batch: ForwardBatch, save_kv_cache: bool = True) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> Tensor:
         import torch  # here, not at module level: `attnhost list` imports this module
 
         pool = forward_batch.kv_pool

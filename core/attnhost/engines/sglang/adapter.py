@@ -610,8 +610,9 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             return None
         return blocks
 
-    def plan_draft_step(self, forward_batch: SGLangBatch, table: Tensor, prefix_cpu: tuple[int, ...],
-                        out_cache_loc: Tensor, step: int) -> None:  # fmt: skip
+    def plan_draft_step(
+        self, forward_batch: SGLangBatch, table: Tensor, prefix_cpu: tuple[int, ...], out_cache_loc: Tensor, step: int
+    ) -> None:
         """Draft decode step ``step`` of a multi-step round (``multistep.SGLangMultiStepDraftBackend``): row ``r``
         of ``table`` has its prefix and branch slots, and reads its first ``prefix_cpu[r] + step + 1``."""
         self._kv._table = table
@@ -646,8 +647,16 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
 
     # -- per layer ------------------------------------------------------------------
 
-    def forward(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
-                forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> Tensor:
         """SGLang's own dispatch (idle, decode, extend), decided once per batch in ``_plan`` instead of by two
         mode tests in every layer's call: with the layer's code cold, as a real layer's is after the MLP has
         streamed its weights, those tests took 26 us, against 450 us for a whole one-request 4,096-token decode
@@ -661,16 +670,41 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     # SGLang calls these two by name (and plugins may hook them by name), so both stay real methods.
-    def forward_extend(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
-                       forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+    def forward_extend(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> Tensor:
         return self._run("forward_extend", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def forward_decode(self, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
-                       forward_batch: SGLangBatch, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:  # fmt: skip
+    def forward_decode(
+        self,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> Tensor:
         return self._run("forward_decode", q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
-    def _run(self, method: str, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
-             forward_batch: SGLangBatch, save_kv_cache: bool, kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
+    def _run(
+        self,
+        method: str,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
         batch = self._batch
         if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
@@ -717,17 +751,29 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             )
         return out
 
-    def _run_with_sinks(self, forward: Any, method: str, q: Tensor, k: Tensor | None, v: Tensor | None,
-                        layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool,
-                        sinks: Tensor | None) -> Tensor:  # fmt: skip
+    def _run_with_sinks(
+        self,
+        forward: Any,
+        method: str,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: AttentionLayer,
+        batch: ForwardBatch,
+        save_kv_cache: bool,
+        sinks: Tensor | None,
+    ) -> Tensor:
         """A layer with sinks (``has_sinks``): ``sinks=`` on to the backend, as the contract has them."""
         if sinks is None or not layer.has_sinks:
             raise InvalidBatchError(
                 f"{self._where}: layer {layer.layer_id} was called "
-                + ("without sinks= although its attention module holds sinks" if sinks is None else
-                   "with sinks= although its attention module holds none")
+                + (
+                    "without sinks= although its attention module holds sinks"
+                    if sinks is None
+                    else "with sinks= although its attention module holds none"
+                )
                 + f"; nothing was read or written — {ENGINE_BUG}"
-            )  # fmt: skip
+            )
         passed = self._sinks_for(layer, sinks)
         tokens = q.shape[0]
         try:

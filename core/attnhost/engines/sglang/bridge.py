@@ -286,8 +286,10 @@ def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> Non
         return
     needs, stand_in = listed
     view = resolved_view(server_args)
-    names = {view.prefill_attention_backend or view.attention_backend,
-             view.decode_attention_backend or view.attention_backend}  # fmt: skip
+    names = {
+        view.prefill_attention_backend or view.attention_backend,
+        view.decode_attention_backend or view.attention_backend,
+    }
     ours = {}
     for name in sorted(n for n in names if isinstance(n, str)):
         caps = _capabilities(name)

@@ -104,8 +104,17 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         self._kv._layers[lid] = layer  # either object names the layer to the pool's set_kv_buffer
         return converted
 
-    def _run(self, method: str, q: Tensor, k: Tensor | None, v: Tensor | None, layer: RadixAttention,
-             forward_batch: SGLangBatch, save_kv_cache: bool, kwargs: dict[str, Any]) -> Tensor:  # fmt: skip
+    def _run(
+        self,
+        method: str,
+        q: Tensor,
+        k: Tensor | None,
+        v: Tensor | None,
+        layer: RadixAttention,
+        forward_batch: SGLangBatch,
+        save_kv_cache: bool,
+        kwargs: dict[str, Any],
+    ) -> Tensor:
         batch = self._batch
         if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
             raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")

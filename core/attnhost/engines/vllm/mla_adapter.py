@@ -159,10 +159,16 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
         num_reqs = len(query_lens)
         if num_reqs == 0:
             return AttnhostVLLMMLAMetadata(
-                num_reqs=0, max_query_len=0, max_seq_len=0, num_actual_tokens=0,
-                query_start_loc=m.query_start_loc[:1], slot_mapping=m.slot_mapping[:0],
-                num_decodes=0, num_decode_tokens=0, num_prefills=0,
-            )  # fmt: skip
+                num_reqs=0,
+                max_query_len=0,
+                max_seq_len=0,
+                num_actual_tokens=0,
+                query_start_loc=m.query_start_loc[:1],
+                slot_mapping=m.slot_mapping[:0],
+                num_decodes=0,
+                num_decode_tokens=0,
+                num_prefills=0,
+            )
         seq_lens = m.seq_lens[:num_reqs]
         seq_cpu = tuple(seq_lens.tolist())
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
@@ -438,8 +444,9 @@ def _check_mla_spec(identity: _Identity, spec: Any) -> None:
     if spec.num_kv_heads != 1:
         raise refuse(f"an MLA cache with {spec.num_kv_heads} KV heads (vLLM's latent cache has one)")
     if spec.kv_quant_mode != KVQuantMode.NONE or is_quantized_kv_cache(spec.cache_dtype_str or "auto"):
-        raise refuse(f"a quantized MLA cache ({spec.cache_dtype_str or spec.kv_quant_mode.name})",
-                     "use --kv-cache-dtype auto")  # fmt: skip
+        raise refuse(
+            f"a quantized MLA cache ({spec.cache_dtype_str or spec.kv_quant_mode.name})", "use --kv-cache-dtype auto"
+        )
     if spec.topk_buffer_width is not None or spec.is_index_group_leader:
         raise refuse("DeepSeek sparse attention (a top-k MLA cache group)")
     if spec.model_version is not None:

@@ -159,9 +159,13 @@ def _engine(
     model: TinyModel, backend: str, case: str, tmp: Path, env: dict[str, str] | None = None, **engine_args: Any
 ) -> tuple[dict[str, Any], Path]:
     runs = run_engines(
-        model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "engine_args": engine_args}], tmp,
+        model.path,
+        model.prompts,
+        NEW_TOKENS,
+        [{"backend": backend, "engine_args": engine_args}],
+        tmp,
         env=env if env is not None else (SPECULATIVE_ENV if engine_args else None),
-    )  # fmt: skip
+    )
     result = runs.results[backend]
     if "error" in result:
         pytest.fail(engine_failure(backend, case, result["error"]), pytrace=False)

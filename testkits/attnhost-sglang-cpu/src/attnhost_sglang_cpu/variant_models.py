@@ -88,24 +88,40 @@ def _config(kind: str, tok: Any) -> Any:
         from transformers import Gemma2Config
 
         return Gemma2Config(
-            **_SHAPE, **ids, intermediate_size=128, query_pre_attn_scalar=16, attn_logit_softcapping=LOGIT_CAP,
-            final_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        )  # fmt: skip
+            **_SHAPE,
+            **ids,
+            intermediate_size=128,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=LOGIT_CAP,
+            final_logit_softcapping=None,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        )
     if kind == "gemma3":
         from transformers import Gemma3TextConfig
 
         return Gemma3TextConfig(
-            **_SHAPE, **ids, intermediate_size=128, query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh",
-            tie_word_embeddings=True, architectures=["Gemma3ForCausalLM"],
-        )  # fmt: skip
+            **_SHAPE,
+            **ids,
+            intermediate_size=128,
+            query_pre_attn_scalar=16,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            architectures=["Gemma3ForCausalLM"],
+        )
     if kind == "gpt_oss":
         from transformers import GptOssConfig
 
         return GptOssConfig(
-            **_SHAPE, **ids, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+            **_SHAPE,
+            **ids,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            tie_word_embeddings=False,
             initializer_range=0.1,
-        )  # fmt: skip
+        )
     if kind == "mistral":
         from transformers import MistralConfig
 
@@ -172,9 +188,9 @@ def _load(model_dir: Path, without: str | None) -> Any:
     return model
 
 
-def hf_greedy_each(model_dir: Path, prompts: list[list[int]], new_tokens: int, *, without: str | None = None) -> list[
-    list[int]
-]:  # fmt: skip
+def hf_greedy_each(
+    model_dir: Path, prompts: list[list[int]], new_tokens: int, *, without: str | None = None
+) -> list[list[int]]:
     """HF transformers' greedy continuation (eager attention, float32) of each prompt on its own (no padding, whose
     positions a window would count), optionally with one feature (``without``) switched off."""
     import torch

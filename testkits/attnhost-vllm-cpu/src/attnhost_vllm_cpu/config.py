@@ -52,8 +52,12 @@ def parse_engine_args(model: str, attention_backend: str, draft_backend: str | N
         attention_backend,
     ]
     if draft_backend is not None:
-        speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                       "attention_backend": draft_backend}  # fmt: skip
+        speculative = {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "attention_backend": draft_backend,
+        }
         argv += ["--speculative-config", json.dumps(speculative)]
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
     return EngineArgs.from_cli_args(parser.parse_args(argv))

@@ -64,12 +64,14 @@ VARIANTS: dict[str, tuple[list[tuple[int, int]], Variant]] = {
     "window-longer-than-sequences": ([(16, 4), (8, 9), (33, 2)], Variant(sliding_window=64)),
     "softcap": ([(9, 1), (0, 6), (21, 1), (13, 5)], Variant(logits_soft_cap=1.5)),
     "sinks": ([(9, 1), (0, 6), (21, 1), (13, 5)], Variant(sinks=True)),
-    "window-softcap-sinks": ([(16, 4), (WINDOW, 1), (33, 2), (0, 10)],
-                             Variant(sliding_window=WINDOW, logits_soft_cap=1.5, sinks=True)),
+    "window-softcap-sinks": (
+        [(16, 4), (WINDOW, 1), (33, 2), (0, 10)],
+        Variant(sliding_window=WINDOW, logits_soft_cap=1.5, sinks=True),
+    ),
     # vLLM's non-causal batch (a DFlash draft's block over its context): every key of the request, both ways
     "non-causal": ([(16, 4), (8, 9), (0, 6)], Variant(causal=False)),
     "non-causal-softcap-sinks": ([(16, 4), (0, 6)], Variant(logits_soft_cap=1.5, sinks=True, causal=False)),
-}  # fmt: skip
+}
 """``(cached prefix, new tokens)`` per request and the layers' variant, for each variant case (8 heads / 2 KV
 heads; the windows in vLLM's terms, ``W`` keys)."""
 VARIANT_BLOCK_SIZES = (1, 16)
@@ -111,10 +113,15 @@ class ForwardCase:
 
         heads, kv_heads = SHAPES[self.shape]
         return make_case(
-            self.requests, block_size=self.block_size, num_heads=heads, num_kv_heads=kv_heads,
-            dtype=self.dtype, layout=KVCacheLayout[self.layout], rejected=REJECTED.get(self.batch),
+            self.requests,
+            block_size=self.block_size,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            dtype=self.dtype,
+            layout=KVCacheLayout[self.layout],
+            rejected=REJECTED.get(self.batch),
             variant=self.attention,
-        )  # fmt: skip
+        )
 
 
 def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.Tensor]:
@@ -139,9 +146,18 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
         extra = {} if case.sinks is None else {"sinks": case.sinks[layer].to(dtype)}
         try:
             impl = cls.get_impl_cls()(  # type: ignore[attr-defined]
-                case.num_heads, spec.head_size, spec.head_size**-0.5, spec.num_kv_heads,
-                None, variant.sliding_window, "auto", variant.logits_soft_cap, AttentionType.DECODER, None, **extra,
-            )  # fmt: skip
+                case.num_heads,
+                spec.head_size,
+                spec.head_size**-0.5,
+                spec.num_kv_heads,
+                None,
+                variant.sliding_window,
+                "auto",
+                variant.logits_soft_cap,
+                AttentionType.DECODER,
+                None,
+                **extra,
+            )
             with torch.no_grad():
                 returned = impl.forward(None, q, k, v, cache, metadata, output=output)
         except Exception as exc:

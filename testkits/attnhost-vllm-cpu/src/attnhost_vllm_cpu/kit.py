@@ -178,10 +178,16 @@ class Case:
         outs = []
         for r in self.requests:
             out = reference_request_attention(
-                r.q[layer], r.k[layer], r.v[layer], prefix_len=r.prefix, scaling=self.spec.head_size**-0.5,
-                sliding_window_size=window, logit_cap=variant.logits_soft_cap or 0.0, sinks=sinks,
+                r.q[layer],
+                r.k[layer],
+                r.v[layer],
+                prefix_len=r.prefix,
+                scaling=self.spec.head_size**-0.5,
+                sliding_window_size=window,
+                logit_cap=variant.logits_soft_cap or 0.0,
+                sinks=sinks,
                 causal=variant.causal,
-            )  # fmt: skip
+            )
             outs.append(out)
         return torch.cat(outs)
 
@@ -239,14 +245,20 @@ def make_case(
     spec: AttentionSpec
     if variant.sliding_window is not None:
         spec = SlidingWindowSpec(
-            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
             sliding_window=variant.sliding_window,
-        )  # fmt: skip
+        )
     else:
         spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=dtype,
             non_causal=not variant.causal,
-        )  # fmt: skip
+        )
     free, caches = layer_caches(spec, requests, num_layers, layout, rng if shuffle_blocks else None, gen)
 
     def randn(*shape: int) -> torch.Tensor:

@@ -82,9 +82,12 @@ def one_rank_group() -> Iterator[None]:
         return
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):
         parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo",
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
             distributed_init_method=f"file://{Path(tmp) / 'rendezvous'}",
-        )  # fmt: skip
+        )
         parallel_state.initialize_model_parallel(1, 1)
     try:
         yield
@@ -240,15 +243,25 @@ def mla_forward(cls: type, case: MLACase, dtype: torch.dtype, what: str) -> tupl
         with set_current_vllm_config(config), torch.no_grad():
             for name, weight, cache in zip(names, case.weights, case.caches, strict=True):
                 kv_b_proj = ColumnParallelLinear(
-                    mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
-                    params_dtype=dtype, prefix=name.replace(".attn", ".kv_b_proj"),
-                )  # fmt: skip
+                    mla.kv_lora_rank,
+                    heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                    bias=False,
+                    params_dtype=dtype,
+                    prefix=name.replace(".attn", ".kv_b_proj"),
+                )
                 kv_b_proj.weight.copy_(weight.to(dtype))
                 layer = MLAAttention(
-                    num_heads=heads, scale=case.scale, qk_nope_head_dim=mla.qk_nope_head_dim,
-                    qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, q_lora_rank=None,
-                    kv_lora_rank=mla.kv_lora_rank, kv_b_proj=kv_b_proj, prefix=name, attn_backend=cls,
-                )  # fmt: skip
+                    num_heads=heads,
+                    scale=case.scale,
+                    qk_nope_head_dim=mla.qk_nope_head_dim,
+                    qk_rope_head_dim=mla.qk_rope_head_dim,
+                    v_head_dim=mla.v_head_dim,
+                    q_lora_rank=None,
+                    kv_lora_rank=mla.kv_lora_rank,
+                    kv_b_proj=kv_b_proj,
+                    prefix=name,
+                    attn_backend=cls,
+                )
                 kv_b_proj.quant_method.process_weights_after_loading(kv_b_proj)  # vLLM's loader: modules first,
                 layer.process_weights_after_loading(dtype)  # then attention layers (W_UK_T, W_UV)
                 layer.bind_kv_cache(cache)

@@ -50,6 +50,7 @@ def spawned(target: Callable[..., None], *args: Any) -> dict[str, Any]:
             f"(exit status {process.exitcode}, waited up to {SPAWN_TIMEOUT_S} s); its stderr above says why"
         )
     if process.exitcode != 0:
-        raise AssertionError(f"the spawned process ({target.__module__}.{target.__qualname__}) exited with status "
-                             f"{process.exitcode}")  # fmt: skip
+        raise AssertionError(
+            f"the spawned process ({target.__module__}.{target.__qualname__}) exited with status {process.exitcode}"
+        )
     return result

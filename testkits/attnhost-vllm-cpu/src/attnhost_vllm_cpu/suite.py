@@ -103,12 +103,13 @@ FORWARD_CASES = [
     for block in BLOCK_SIZES
 ]
 VARIANT_CASES = [
-    pytest.param(ForwardCase("mixed", "gqa", block, dtype, variant=variant),
-                 id=f"{variant}-block{block}-{dtype_name(dtype)}")
+    pytest.param(
+        ForwardCase("mixed", "gqa", block, dtype, variant=variant), id=f"{variant}-block{block}-{dtype_name(dtype)}"
+    )
     for dtype in DTYPES
     for variant in VARIANTS
     for block in VARIANT_BLOCK_SIZES
-]  # fmt: skip
+]
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 MLA_BLOCK_SIZES = (1, 16)
 MLA_CASES = [
