@@ -84,9 +84,22 @@ def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:
         str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
     )
     env["COLUMNS"] = "1000"
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--attnhost-backend",
-               "torch_native", "--attnhost-engine", "vllm", "-k", "TestVllmCpuEngine",
-               "--basetemp", str(tmp_path / "base")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "--attnhost-backend",
+        "torch_native",
+        "--attnhost-engine",
+        "vllm",
+        "-k",
+        "TestVllmCpuEngine",
+        "--basetemp",
+        str(tmp_path / "base"),
+    ]
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0 and re.search(r"\b5 passed\b", summary), proc.stdout[-6000:] + proc.stderr[-2000:]

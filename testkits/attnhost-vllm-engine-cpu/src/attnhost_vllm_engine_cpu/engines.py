@@ -136,8 +136,9 @@ class Outcome:
         return f"exit {self.returncode}; last output:\n{self.output[-3000:]}"
 
 
-def run_engines(model: Path, runs: list[dict[str, Any]], workdir: Path, timeout: float = TIMEOUT,
-                **env: str) -> Outcome:  # fmt: skip
+def run_engines(
+    model: Path, runs: list[dict[str, Any]], workdir: Path, timeout: float = TIMEOUT, **env: str
+) -> Outcome:
     """Run ``runs`` one after another in one driver process; kill its process group past ``timeout`` seconds."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec, out, probe = workdir / "spec.json", workdir / "out.json", workdir / "probe.jsonl"
@@ -147,8 +148,9 @@ def run_engines(model: Path, runs: list[dict[str, Any]], workdir: Path, timeout:
     environment = engine_env(str(probe), **{**ENGINE_ENV, **env})
     command = [sys.executable, "-m", "attnhost_vllm_engine_cpu.run_engine", str(spec), str(out)]
     start = time.monotonic()
-    child = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)  # fmt: skip
+    child = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     timed_out = False
     try:
         output, _ = child.communicate(timeout=timeout)
@@ -159,8 +161,9 @@ def run_engines(model: Path, runs: list[dict[str, Any]], workdir: Path, timeout:
     seconds = time.monotonic() - start
     left = left_running(child.pid)
     results = json.loads(out.read_text()) if out.exists() else []
-    return Outcome(results, _split(probe_records.read(str(probe))), child.returncode, seconds, output or "",
-                   timed_out, left)  # fmt: skip
+    return Outcome(
+        results, _split(probe_records.read(str(probe))), child.returncode, seconds, output or "", timed_out, left
+    )
 
 
 def left_running(session: int) -> list[str]:

@@ -65,8 +65,17 @@ def _wrap_build(original: Any) -> Any:
             prefix = any(p > 0 and e > 1 for p, e in zip(batch.prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True))
             rejected = metadata.written is not None
             if _once(("batch", name, draft, mode, prefix, rejected)):
-                write({"event": "batch", "backend": name, "engine_name": self.identity.engine_name, "draft": draft,
-                       "mode": mode, "extend_with_prefix": prefix, "rows_without_slot": rejected})  # fmt: skip
+                write(
+                    {
+                        "event": "batch",
+                        "backend": name,
+                        "engine_name": self.identity.engine_name,
+                        "draft": draft,
+                        "mode": mode,
+                        "extend_with_prefix": prefix,
+                        "rows_without_slot": rejected,
+                    }
+                )
         return metadata
 
     return build
@@ -74,8 +83,17 @@ def _wrap_build(original: Any) -> Any:
 
 def _wrap_forward(original: Any) -> Any:
     @functools.wraps(original)
-    def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any,
-                *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def forward(
+        self: Any,
+        layer: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        kv_cache: Any,
+        attn_metadata: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         out = original(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
         batch = getattr(attn_metadata, "batch", None)
         if batch is not None:
@@ -83,8 +101,15 @@ def _wrap_forward(original: Any) -> Any:
             draft = _draft_of.get(id(attn_metadata.backend))
             mode = batch.forward_mode.name
             if _once(("forward", name, draft, mode)):
-                write({"event": "forward", "backend": name, "draft": draft, "mode": mode,
-                       "backend_class": type(attn_metadata.backend).__qualname__})  # fmt: skip
+                write(
+                    {
+                        "event": "forward",
+                        "backend": name,
+                        "draft": draft,
+                        "mode": mode,
+                        "backend_class": type(attn_metadata.backend).__qualname__,
+                    }
+                )
         return out
 
     return forward

@@ -102,10 +102,17 @@ def _wait_healthy(child: subprocess.Popen[bytes], url: str, timeout: float) -> N
 def _complete(url: str, prompts: list[list[int]], max_tokens: int, timeout: float) -> list[list[int]]:
     """One ``/v1/completions`` request for all ``prompts`` (a batch of token-id prompts), greedy, EOS ignored as the
     kit's ``LLM.generate`` runs do."""
-    body = {"model": SERVED_NAME, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": SERVED_NAME,
+        "prompt": prompts,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with _opener.open(request, timeout=timeout) as response:
             answer = json.loads(response.read())
@@ -138,9 +145,17 @@ def _stop(child: subprocess.Popen[bytes]) -> None:
             child.wait()
 
 
-def serve_completions(model: Path, backend: str, prompts: list[list[int]], workdir: Path, *,
-                      max_tokens: int = NEW_TOKENS, health_timeout: float = HEALTH_TIMEOUT,
-                      request_timeout: float = REQUEST_TIMEOUT, **env: str) -> Served:  # fmt: skip
+def serve_completions(
+    model: Path,
+    backend: str,
+    prompts: list[list[int]],
+    workdir: Path,
+    *,
+    max_tokens: int = NEW_TOKENS,
+    health_timeout: float = HEALTH_TIMEOUT,
+    request_timeout: float = REQUEST_TIMEOUT,
+    **env: str,
+) -> Served:
     """Serve ``model`` with ``--attention-backend backend`` and complete ``prompts`` greedily, in one request."""
     workdir.mkdir(parents=True, exist_ok=True)
     probe, log = workdir / "probe.jsonl", workdir / "server.log"
@@ -148,9 +163,22 @@ def serve_completions(model: Path, backend: str, prompts: list[list[int]], workd
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     engine_args = {**BASE_ENGINE_ARGS, "attention_backend": backend}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-               "--tokenizer", str(model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-               "--port", str(port), *server_args(engine_args)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--tokenizer",
+        str(model),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *server_args(engine_args),
+    ]
     environment = engine_env(str(probe), **{**ENGINE_ENV, **env})
     start = time.monotonic()
     token_ids: list[list[int]] | None = None
@@ -159,8 +187,9 @@ def serve_completions(model: Path, backend: str, prompts: list[list[int]], workd
     error: str | None = None
     # the log goes to a file: a pipe nobody reads while the server runs would fill and stall it
     with open(log, "wb") as output:
-        child = subprocess.Popen(command, env=environment, stdout=output, stderr=subprocess.STDOUT,
-                                 start_new_session=True)  # fmt: skip
+        child = subprocess.Popen(
+            command, env=environment, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             _wait_healthy(child, url, health_timeout)
             healthy = time.monotonic() - start
@@ -172,5 +201,14 @@ def serve_completions(model: Path, backend: str, prompts: list[list[int]], workd
             _stop(child)
     seconds = time.monotonic() - start
     left = left_running(child.pid)
-    return Served(token_ids, probe_records.read(str(probe)), pids, healthy, seconds, child.returncode,
-                  log.read_text(errors="replace"), error, left)  # fmt: skip
+    return Served(
+        token_ids,
+        probe_records.read(str(probe)),
+        pids,
+        healthy,
+        seconds,
+        child.returncode,
+        log.read_text(errors="replace"),
+        error,
+        left,
+    )
