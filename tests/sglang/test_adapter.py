@@ -242,3 +242,29 @@ def test_forward_dispatches_as_sglangs_own_forward_once_planned(case: int) -> No
     with pytest.raises(RuntimeError, match=r"init_forward_metadata\(\) was not called for this ForwardBatch"):
         backend.forward(q, k, v, layer, other, save_kv_cache=False)
     assert called[1:] == ["forward_decode" if decode else "forward_extend"]
+
+
+def test_a_draft_runners_refusal_names_the_draft_flag() -> None:
+    """The draft's backend comes from ``--speculative-draft-attention-backend``: its refusals say so, way out too."""
+    fixture = _fixture()
+    fixture.runner.is_draft_worker = True
+    adapter = SGLangAdapterBackend(
+        fixture.runner,
+        engine_name="plain_draft",
+        attnhost_name="plain_draft",
+        origin="plugin 'probe'",
+        factory=TorchNativeAttnBackend,
+        capabilities=BackendCapabilities(),
+        capable_peers=lambda needs: ["attnhost_torch_native"],
+    )
+    layer = fixture.actual_module.attn
+    layer.logit_cap = 30.0
+    adapter.init_forward_metadata(fixture.forward_batch)
+    q, k, v = _qkv(fixture)
+    flag = "--speculative-draft-attention-backend"
+    expected = (
+        rf"SGLang {flag} 'plain_draft' does not support .*logit soft-capping.*; "
+        rf"choose with {flag} a backend that declares logit_cap, e\.g\. attnhost_torch_native$"
+    )
+    with pytest.raises(UnsupportedFeatureError, match=expected):
+        adapter.forward(q, k, v, layer, fixture.forward_batch)

@@ -257,6 +257,12 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self.origin = origin
         self.capabilities = capabilities
         self.device = torch.device(model_runner.device)
+        # The flag that chose this backend, for every way out a refusal names: a draft's is its own.
+        self.flag = (
+            "--speculative-draft-attention-backend"
+            if getattr(model_runner, "is_draft_worker", False)
+            else "--attention-backend"
+        )
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self._check_runner(model_runner)
@@ -291,7 +297,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             factory,
             view,
             where=self._where,
-            way_out="fix or reinstall the plugin, or choose another --attention-backend",
+            way_out=f"fix or reinstall the plugin, or choose another {self.flag}",
             owner=self.origin,
         )
 
@@ -335,17 +341,17 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         capable = [name for name in self._capable_peers(needs) if name != self.engine_name]
         flags = ", ".join(needs)
         if capable:
-            return f"choose an --attention-backend that declares {flags}, e.g. {', '.join(capable)}"
-        return f"choose an --attention-backend that declares {flags}"
+            return f"choose with {self.flag} a backend that declares {flags}, e.g. {', '.join(capable)}"
+        return f"choose with {self.flag} a backend that declares {flags}"
 
     @property
     def _where(self) -> str:
-        return (
-            f"attnhost backend {self.attnhost_name!r} ({self.origin}), SGLang --attention-backend {self.engine_name!r}"
-        )
+        return f"attnhost backend {self.attnhost_name!r} ({self.origin}), SGLang {self.flag} {self.engine_name!r}"
 
-    def refusal(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
-        return UnsupportedFeatureError(f"{self._where} does not support {feature}; {way_out}")
+    def refusal(self, feature: str, way_out: str | None = None) -> UnsupportedFeatureError:
+        return UnsupportedFeatureError(
+            f"{self._where} does not support {feature}; {way_out or 'choose another ' + self.flag}"
+        )
 
     # SGLang stamps the runner's resolved names on its backend after building it (#28559); the
     # attnhost backend inside carries the same stamps, so attnhost-side dispatch agrees with SGLang's.
@@ -394,7 +400,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
         reason = self.capabilities.refusal(dtype=model_dtype, head_dim=pool.head_dim, kv_dtype=kv_dtype)
         if reason is not None:
-            raise self.refusal(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+            raise self.refusal(reason, f"choose another --dtype, --kv-cache-dtype or {self.flag}")
 
     def _layer(self, layer: RadixAttention, has_sinks: bool = False, *, walked: bool = False) -> AttentionLayer:
         """The attnhost view of a layer, checked once: for every layer of the model when the adapter is built
@@ -436,7 +442,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         )
         reason = None if walked else self.capabilities.layer_refusal(converted)
         if reason is not None:  # the start-up walk refuses these naming the model; a layer it did not find, here
-            raise self.refusal(f"{reason} (layer {layer.layer_id})")
+            raise self.refusal(f"{reason} (layer {layer.layer_id})", self._variant_way_out(converted.variant_features))
         self._layers[layer.layer_id] = converted
         view = self._window_kv if layer.layer_id in self._window_ids and self._window_kv is not None else self._kv
         view._layers[layer.layer_id] = layer

@@ -301,7 +301,7 @@ def _model_adjustments(server_args: Any, previous: Callable[[Any], None]) -> Non
             raise UnsupportedFeatureError(
                 f"attnhost backend {name!r} ({_origin(name)}) cannot serve {architectures[0]} "
                 f"({model_config_of(server_args).model_path}): the model needs {' and '.join(needs)}, and it does "
-                f"not declare {', '.join(missing)}; choose an --attention-backend that declares them"
+                f"not declare {', '.join(missing)}; choose with --attention-backend a backend that declares them"
                 + (f", e.g. {', '.join(capable)}" if capable else "")
             )
         ours[name] = stand_in

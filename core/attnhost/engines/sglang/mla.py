@@ -48,7 +48,7 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         if not self.capabilities.mla:
             raise self.refusal(
                 f"the MLA model {_model_name(model_config, pool)}: it does not declare BackendCapabilities.mla",
-                "choose an --attention-backend that declares it (e.g. attnhost_torch_native)",
+                f"choose with {self.flag} a backend that declares it (e.g. attnhost_torch_native)",
             )
         if type(pool) is not MLATokenToKVPool:
             raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
@@ -70,7 +70,7 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             dtype=model_dtype, head_dim=self.mla.latent_dim, kv_dtype=dtype_name(pool.dtype), mla=True
         )
         if reason is not None:
-            raise self.refusal(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
+            raise self.refusal(reason, f"choose another --dtype, --kv-cache-dtype or {self.flag}")
         self._mla_layers: dict[RadixAttention, AttentionLayer] = {}
 
     def _mla_layer(self, layer: RadixAttention, k: Tensor | None, save_kv_cache: bool) -> AttentionLayer:
