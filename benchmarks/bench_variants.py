@@ -14,7 +14,7 @@ as it does in a serving engine. Two layers attend the same batch over the same c
 
 Both outputs are first checked against the float64 reference (two requests, every head). Figures: milliseconds
 per layer call (median of interleaved rounds, A, B, A, B, ...; spread = interquartile range over the median), the
-K/V bytes each reads, and the ratio full / windowed (issue target: >= 4x). The ideal ratio is the context over
+K/V bytes each reads, and the ratio full / windowed (target: >= 4x). The ideal ratio is the context over
 the window (8x here): what decode is bound by is reading the keys.
 """
 

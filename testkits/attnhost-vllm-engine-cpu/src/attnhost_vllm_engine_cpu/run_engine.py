@@ -1,10 +1,11 @@
 """TEST-ONLY driver, run as ``python -m attnhost_vllm_engine_cpu.run_engine SPEC OUT`` in a process of its own.
 
-``SPEC`` (JSON): ``model`` and ``runs``, each with ``engine_args`` (``vllm.LLM``'s keyword arguments) and
-``passes`` (lists of prompts as token ids; each pass is one ``LLM.generate`` call on the run's engine, so a later
-pass may hit the prefix cache), and ``max_tokens``. The runs' engines are built one after another in this process
-(importing vLLM once is most of an engine's start here), each shut down before the next. ``OUT`` (JSON): per run,
-the greedy ids and seconds of every pass, the engine's speculative and prefix-cache counters and the seconds it took, or
+``SPEC`` (JSON): ``model`` and ``runs``, each with ``engine_args`` (``vllm.LLM``'s keyword arguments), optionally
+its own ``model`` (engines of several models then share the one import of vLLM), ``passes`` (lists of prompts as
+token ids; each pass is one ``LLM.generate`` call on the run's engine, so a later pass may hit the prefix cache),
+and ``max_tokens``. The runs' engines are built one after another in this process (importing vLLM once is most
+of an engine's start here), each shut down before the next. ``OUT`` (JSON): per run, the greedy ids and seconds
+of every pass, the engine's speculative and prefix-cache counters and the seconds it took, or
 ``error`` with the traceback. A run's error does not stop the next run.
 """
 
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
         probe.write({"event": "run", "run": index})  # the probe's records after this one are this run's
         start = time.monotonic()
         try:
-            result = generate(spec["model"], run)
+            result = generate(run.get("model", spec["model"]), run)
         except BaseException as exc:  # the host reads the reason from OUT, whatever stopped the engine
             result = {"error": "".join(traceback.format_exception(exc))}
         result["seconds"] = round(time.monotonic() - start, 1)
