@@ -143,7 +143,7 @@ def _pytest(args: list[str], *, cwd: Path, site: Path) -> subprocess.CompletedPr
         text=True,
         cwd=cwd,
         env=subprocess_env([site], {"XDG_CACHE_HOME": str(cwd / ".xdg-cache")}),
-        timeout=300,
+        timeout=1200,  # a hang guard only: the examples' suites take minutes on two busy cores
     )
 
 
