@@ -51,7 +51,7 @@ def test_a_missing_engine_kit_says_how_to_install_it(tmp_path: Path) -> None:
     assert proc.returncode == 4, proc.stdout + proc.stderr  # pytest's usage error
     line = next(line for line in proc.stderr.splitlines() if "--attnhost-engine" in line)
     assert "its engine kit is not installed" in line
-    assert "pip install --no-deps testkits/attnhost-sglang-cpu" in line
+    assert "pip install --no-deps testkits/attnhost-hf-models testkits/attnhost-sglang-cpu" in line
 
 
 @pytest.mark.skipif(

@@ -2,7 +2,9 @@
 
 * attnhost's installed distribution contains and declares nothing of the
   scaffolding (no platform entry point, no probe, no torchvision shim); the
-  scaffolding is the separate, installed distribution ``attnhost-sglang-cpu``.
+  scaffolding is the separate, installed distribution ``attnhost-sglang-cpu``,
+  and the tiny HF models it builds with are ``attnhost-hf-models``, another
+  test-only distribution that declares no entry points and pulls nothing in.
 * The out-of-tree platform is chosen by SGLang's own platform discovery only
   when ``SGLANG_PLATFORM`` names it, and is then a CPU, out-of-tree platform
   with SGLang's default capabilities that allows speculative decoding.
@@ -26,7 +28,17 @@ import pytest
 from attnhost_sglang_cpu import PLATFORM_NAME, sglang_env
 
 KIT = "attnhost-sglang-cpu"
-SCAFFOLD_NAMES = ("attnhost_sglang_cpu", "attnhost_test", "torchvision", "shim", "run_engine", "launch_server")
+#: The test-only distribution of tiny HF models the kit builds with (shared with the vLLM engine kit).
+HF_MODELS_KIT = "attnhost-hf-models"
+SCAFFOLD_NAMES = (
+    "attnhost_sglang_cpu",
+    "attnhost_hf_models",
+    "attnhost_test",
+    "torchvision",
+    "shim",
+    "run_engine",
+    "launch_server",
+)
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -52,7 +64,7 @@ def test_attnhost_ships_no_scaffolding() -> None:
         "attnhost.engines.sglang:register"
     ]
     assert not [r for r in dist.requires or [] if r.split()[0].lower() in ("torchvision", "sglang", "transformers")]
-    assert not [r for r in dist.requires or [] if KIT in r]
+    assert not [r for r in dist.requires or [] if KIT in r or HF_MODELS_KIT in r]
 
 
 def test_the_scaffolding_is_its_own_installed_distribution() -> None:
@@ -69,6 +81,16 @@ def test_the_scaffolding_is_its_own_installed_distribution() -> None:
     # the only distribution in SGLang's platform group here
     platform_dists = {ep.dist.name for ep in importlib.metadata.entry_points(group="sglang.srt.platforms") if ep.dist}
     assert platform_dists == {KIT}
+
+
+def test_the_tiny_hf_models_are_their_own_installed_distribution() -> None:
+    kit = importlib.metadata.distribution(HF_MODELS_KIT)
+    assert "TEST-ONLY" in (kit.metadata["Summary"] or "")
+    assert kit.requires in (None, [])  # installed --no-deps beside the engine kit; it pulls nothing in
+    assert not list(kit.entry_points)  # no platform, plugin or suite: only builders the kits import
+    files = [str(f) for f in kit.files or []]
+    assert any(f.startswith("attnhost_hf_models/") for f in files), files
+    assert importlib.metadata.distribution(KIT).requires in (None, [])  # the SGLang kit does not declare it either
 
 
 PLATFORM_PROBE = f"""

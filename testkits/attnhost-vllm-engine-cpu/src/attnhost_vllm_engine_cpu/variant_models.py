@@ -1,9 +1,9 @@
 """TEST-ONLY: tiny Gemma 2 and gpt-oss models whose attention variants change HF's greedy ids.
 
-The same approach as the SGLang kit's variant models, kept to what a vLLM engine needs: seeded, random, two
-layers of width 64 (one sliding-window layer, one full one), the tiny Llama's tokenizer and vocabulary
-(:mod:`.tiny_model`), float32, written where vLLM and HF transformers both load them. What the trials showed
-each model needs for its features to matter:
+The same approach as the SGLang kit's variant models (both build with :mod:`attnhost_hf_models.variants`), kept
+to what a vLLM engine needs: seeded, random, two layers of width 64 (one sliding-window layer, one full one), the
+tiny Llama's tokenizer and vocabulary (:mod:`.tiny_model`), float32, written where vLLM and HF transformers both
+load them. What the trials showed each model needs for its features to matter:
 
 * Gemma 2: a window and a logit soft-cap of 5 on every layer, its q/k weights scaled up so that scores reach
   the cap; ``hidden_act`` beside transformers' ``hidden_activation``, tied embeddings, no final cap;
@@ -17,39 +17,33 @@ test on the model would prove nothing about the feature.
 
 from __future__ import annotations
 
-import json
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnhost_hf_models import variants
+from attnhost_hf_models.variants import LOGIT_CAP as LOGIT_CAP
+from attnhost_hf_models.variants import WINDOW, hf_greedy_each
+
 from attnhost_vllm_engine_cpu.engines import BASE_ENGINE_ARGS
-from attnhost_vllm_engine_cpu.tiny_model import SEED, VOCAB, build_tokenizer
+from attnhost_vllm_engine_cpu.tiny_model import SEED, VOCAB
 
 __all__ = ["FEATURES", "WINDOW", "VariantModel", "build_variant_model", "hf_greedy_each", "prepare", "variant_run"]
 
-#: HF's ``sliding_window`` W, which vLLM passes on as it is (a query sees W keys, itself included).
-WINDOW = 5
-LOGIT_CAP = 5.0
+# WINDOW is HF's ``sliding_window`` W, which vLLM passes on as it is (a query sees W keys, itself included).
 #: The features each model has, as :func:`hf_greedy_each`'s ``without`` names them.
-FEATURES = {
-    "gemma2": ("sliding_window", "logit_cap"),
-    "gpt_oss": ("sliding_window", "sinks"),
+FEATURES = variants.FEATURES
+#: vLLM's gpt-oss always builds YaRN, which at factor 1 is plain RoPE on both sides.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 1.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 512,
 }
-_SHAPE = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "sliding_window": WINDOW,
-}
-_QK_SCALE = 30.0  # Gemma 2's q/k weights times this: scores of tens, which a cap of 5 bends
-_SINK_STD = 2.0
 
 
 @dataclass(frozen=True)
@@ -65,104 +59,17 @@ class VariantModel:
 
 
 def _config(kind: str, tok: Any) -> Any:
-    ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}
     if kind == "gemma2":
-        from transformers import Gemma2Config
-
-        return Gemma2Config(
-            **_SHAPE,
-            **ids,
-            intermediate_size=128,
-            query_pre_attn_scalar=16,
-            attn_logit_softcapping=LOGIT_CAP,
-            final_logit_softcapping=None,
-            hidden_activation="gelu_pytorch_tanh",
-            tie_word_embeddings=True,
-        )
+        return variants.gemma2_config(tok)
     if kind == "gpt_oss":
-        from transformers import GptOssConfig
-
-        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
-        return GptOssConfig(
-            **_SHAPE,
-            **ids,
-            intermediate_size=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            rope_parameters={**yarn, "truncate": False, "original_max_position_embeddings": 512},
-            tie_word_embeddings=False,
-            initializer_range=0.1,
-        )
+        return variants.gpt_oss_config(tok, _GPT_OSS_ROPE)
     raise ValueError(f"unknown variant model {kind!r}: use one of {', '.join(FEATURES)}")
 
 
 def build_variant_model(kind: str, out: Path, seed: int = SEED) -> None:
     """Write the seeded tiny *kind* model (``gemma2``, ``gpt_oss``) and its tokenizer to *out*."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out, seed)
-    config = _config(kind, AutoTokenizer.from_pretrained(out))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn = layer.self_attn
-            if kind == "gemma2":
-                attn.q_proj.weight.mul_(_QK_SCALE)
-                attn.k_proj.weight.mul_(_QK_SCALE)
-            if kind == "gpt_oss":
-                attn.sinks.copy_(
-                    torch.randn(attn.sinks.shape, generator=torch.Generator().manual_seed(seed)) * _SINK_STD
-                )
-    model.save_pretrained(out)
-    written = json.loads((out / "config.json").read_text())
-    written.setdefault("hidden_act", written.get("hidden_activation", "gelu_pytorch_tanh"))
-    (out / "config.json").write_text(json.dumps(written, indent=2))
-
-
-def _load(model_dir: Path, without: str | None) -> Any:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    if without == "sliding_window":
-        config.sliding_window = 1 << 20
-        config.layer_types = ["full_attention"] * config.num_hidden_layers
-    elif without == "logit_cap":
-        config.attn_logit_softcapping = None
-    elif without not in (None, "sinks"):
-        raise ValueError(f"unknown feature {without!r}: use sliding_window, logit_cap or sinks")
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, config=config, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    if without == "sinks":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.sinks.fill_(-math.inf)
-    return model
-
-
-def hf_greedy_each(
-    model_dir: Path, prompts: list[list[int]], new_tokens: int, *, without: str | None = None
-) -> list[list[int]]:
-    """HF transformers' greedy continuation (eager attention, float32) of each prompt on its own, optionally with
-    one feature (``without``) switched off."""
-    import torch
-    from transformers import GenerationConfig
-
-    model = _load(model_dir, without)
-    config = GenerationConfig(
-        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0
-    )
-    outs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
-            outs.append(out[0, len(prompt) :].tolist())
-    return outs
+    config = _config(kind, variants.variant_tokenizer(out, seed=seed))
+    variants.write_variant_model(kind, config, out, seed)
 
 
 def _prompts(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
