@@ -255,10 +255,19 @@ def engine(quick: bool) -> None:
     for backend in (OURS, THEIRS):
         one, many = times[backend, 1], times[backend, new + 1]
         seconds = many["pass_seconds"][1] - one["pass_seconds"][1]
+        if seconds <= 0:  # the prefill both passes share varied by more than the decode steps took
+            print(
+                f"{backend}: not measured: the {new + 1}-token pass took {many['pass_seconds'][1]:.2f} s, the "
+                f"1-token pass {one['pass_seconds'][1]:.2f} s (the machine's load moved more than {new} steps take)"
+            )
+            continue
         rates[backend] = batch * new / seconds
         print(f"{backend}: {rates[backend]:.1f} decode tokens/s (second pass, {seconds:.2f} s for {new} steps)")
     same = times[OURS, new + 1]["passes"] == times[THEIRS, new + 1]["passes"]
-    print(f"engine decode ratio {OURS} / {THEIRS} tokens/s: {rates[OURS] / rates[THEIRS]:.2f}; same ids: {same}")
+    if len(rates) == 2:
+        print(f"engine decode ratio {OURS} / {THEIRS} tokens/s: {rates[OURS] / rates[THEIRS]:.2f}; same ids: {same}")
+    else:
+        print(f"engine decode ratio: not measured (run on idle cores); same ids: {same}")
 
 
 def _write(out: Path, shape: dict[str, Any]) -> None:
