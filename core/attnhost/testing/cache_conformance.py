@@ -143,7 +143,7 @@ class CacheConformance(ConformanceHarness):
         declared = self._capabilities().kv_cache_dtypes
         if declared is None or fp8 not in declared:
             pytest.skip(
-                f"backend {self.name!r} does not declare an {fp8} cache "
+                f"backend {self.name!r} does not declare the FP8 cache {fp8} "
                 f"(capabilities.kv_cache_dtypes = {declared}): engines refuse that cache for it at start-up"
             )
         pages = self._capabilities().page_sizes
