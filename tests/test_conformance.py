@@ -266,72 +266,76 @@ _KIT_FILE = """\
 from attnhost.testing import BackendConformance
 
 
+class Broken(BackendConformance):
+    page_sizes_to_test = (16,)  # one paged cache is enough to see each mistake; TestCorrect runs all three
+
+
 class TestCorrect(BackendConformance):
     backend_name = "correct"
     expect_draft = True
 
 
-class TestOffByAThousandth(BackendConformance):
+class TestOffByAThousandth(Broken):
     backend_name = "off_by_a_thousandth"
 
 
-class TestWrongSlot(BackendConformance):
+class TestWrongSlot(Broken):
     backend_name = "wrong_slot"
 
 
-class TestNoPrefixOffset(BackendConformance):
+class TestNoPrefixOffset(Broken):
     backend_name = "no_prefix_offset"
 
 
-class TestLeakyGlobal(BackendConformance):
+class TestLeakyGlobal(Broken):
     backend_name = "leaky_global"
 
 
-class TestEager(BackendConformance):
+class TestEager(Broken):
     backend_name = "eager"
 
 
-class TestUsesArguments(BackendConformance):
+class TestUsesArguments(Broken):
     backend_name = "uses_arguments"
 
 
-class TestLayerZero(BackendConformance):
+class TestLayerZero(Broken):
     backend_name = "layer_zero"
 
 
-class TestFloat32Only(BackendConformance):
+class TestFloat32Only(Broken):
     backend_name = "float32_only"
 
 
-class TestBadHalf(BackendConformance):
+class TestBadHalf(Broken):
     backend_name = "bad_half"
 
 
-class TestBadCaps(BackendConformance):
+class TestBadCaps(Broken):
     backend_name = "bad_caps"
 
 
-class TestFlatHeads(BackendConformance):
+class TestFlatHeads(Broken):
     backend_name = "flat_heads"
 
 
-class TestFlatLiar(BackendConformance):
+class TestFlatLiar(Broken):
     backend_name = "flat_liar"
 
 
-class TestTreeLiar(BackendConformance):
+class TestTreeLiar(Broken):
     backend_name = "tree_liar"
 
 
-class TestNaNTree(BackendConformance):
+class TestNaNTree(Broken):
     backend_name = "nan_tree"
 
 
-class TestNoDocstring(BackendConformance):
+class TestNoDocstring(Broken):
     backend_name = "nodoc"
 
 
-class TestTypo(BackendConformance):
+class TestTypo(Broken):
     backend_name = "typo"
 """
 
@@ -383,6 +387,12 @@ KIT_TESTS = (
     "test_variant_window_and_cap",
     "test_variant_window_and_sinks",
     "test_variant_window_and_non_causal",
+    # cache formats (attnhost.testing.cache_conformance): pages for every backend, FP8 unless not declared
+    "test_paged_cache[page1]",
+    "test_paged_cache[page16]",
+    "test_paged_cache[page64]",
+    "test_fp8_kv_cache[float8_e4m3fn]",
+    "test_fp8_kv_cache[float8_e5m2]",
 )
 FLOAT32_NUMERICS = {
     "test_extend_without_prefix",
@@ -397,6 +407,7 @@ FLOAT32_NUMERICS = {
     "test_head_layouts_mha_gqa_mqa[mqa-8-1]",
     "test_declared_capabilities_are_valid_and_hold",
     "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
+    "test_paged_cache[page16]",
 }
 
 
@@ -503,7 +514,7 @@ def test_kit_passes_a_correct_installed_backend(kit_results: dict[tuple[str, str
     # capabilities it does not declare
     skipped = {"test_flat_heads_layout", "test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}
     skipped |= {name for name in KIT_TESTS if name.startswith("test_mla_")} - {"test_mla_refused_unless_declared"}
-    skipped |= {name for name in KIT_TESTS if name.startswith("test_variant_")}
+    skipped |= {name for name in KIT_TESTS if name.startswith(("test_variant_", "test_fp8_"))}
     assert {name for name, outcome in results.items() if outcome.status != "passed"} == skipped
     assert {results[name].status for name in skipped} == {"skipped"}
 
@@ -526,7 +537,8 @@ def test_kit_holds_a_backend_to_the_flat_heads_it_declares(kit_results: dict[tup
     assert outcomes(kit_results, "TestCorrect")["test_flat_heads_layout"].status == "skipped"
     keeps = outcomes(kit_results, "TestFlatHeads")
     undeclared = {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}  # not declared: skipped
-    undeclared |= {n for n in KIT_TESTS if n.startswith(("test_mla_", "test_variant_"))}
+    undeclared |= {n for n in KIT_TESTS if n.startswith(("test_mla_", "test_variant_", "test_fp8_"))}
+    undeclared |= {"test_paged_cache[page1]", "test_paged_cache[page64]"}  # page_sizes_to_test = (16,)
     assert {o.status for name, o in keeps.items() if name not in undeclared} == {"passed"}
     liar = outcomes(kit_results, "TestFlatLiar")
     assert failed(liar) == {"test_flat_heads_layout"}

@@ -159,6 +159,7 @@ class _HeadSlicedCache:
     def __init__(self, pool: KVPool, kv_heads: int) -> None:
         self.pool, self.kv_heads = pool, kv_heads
         self.device, self.dtype, self.req_to_token = pool.device, pool.dtype, pool.req_to_token
+        self.page_size = 1
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.pool.k_buffer(layer_id)[:, : self.kv_heads]
@@ -166,7 +167,15 @@ class _HeadSlicedCache:
     def v_buffer(self, layer_id: int) -> torch.Tensor:
         return self.pool.v_buffer(layer_id)[:, : self.kv_heads]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         self.k_buffer(layer_id).index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer(layer_id).index_copy_(0, loc, v.to(self.dtype))
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from attnhost.forward_batch import ForwardBatch
 
 __all__ = [
+    "FP8_KV_DTYPES",
     "VARIANT_FEATURES",
     "AttentionBackend",
     "AttentionLayer",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+FP8_KV_DTYPES: tuple[str, ...] = ("float8_e4m3fn", "float8_e5m2")
+"""The FP8 formats a KV cache may have (docs/kv-cache.md): stored = saturate(x / scale), read = stored * scale."""
 
 
 def dtype_name(dtype: object) -> str:
@@ -91,6 +94,12 @@ class BackendCapabilities:
     non_causal: bool = False
     """Honours ``AttentionLayer.is_causal=False`` (DFlash drafts, bidirectional spans): a request's new tokens see
     each other in both directions."""
+    kv_cache_dtypes: tuple[str, ...] | None = None
+    """The KV-cache dtypes it reads (docs/kv-cache.md), FP8 ones (:data:`FP8_KV_DTYPES`) included; ``None``: a cache
+    of any declared ``dtypes`` and no FP8 one, since an FP8 cache read as if it were plain is wrong by its scales."""
+    page_sizes: tuple[int, ...] | None = None
+    """The cache page sizes it reads (SGLang's ``--page-size``, vLLM's ``--block-size``); ``None``: any, as a
+    backend that reads slots through ``req_to_token`` does not care how they were allocated."""
 
     def __post_init__(self) -> None:
         for flag in ("cuda_graph", "flat_heads", "tree_mask", "mla", *VARIANT_FEATURES):
@@ -103,15 +112,61 @@ class BackendCapabilities:
             raise ValueError(f"BackendCapabilities.head_dims must be positive integers, got {head_dims!r}")
         object.__setattr__(self, "dtypes", tuple(dtypes))
         object.__setattr__(self, "head_dims", tuple(head_dims))
+        kv_dtypes, pages = self.kv_cache_dtypes, self.page_sizes
+        if kv_dtypes is not None:
+            if isinstance(kv_dtypes, str) or not kv_dtypes or not all(isinstance(d, str) and d for d in kv_dtypes):
+                raise ValueError(
+                    "BackendCapabilities.kv_cache_dtypes must be dtype names such as 'bfloat16' or "
+                    f"'float8_e4m3fn', or None, got {kv_dtypes!r}"
+                )
+            object.__setattr__(self, "kv_cache_dtypes", tuple(kv_dtypes))
+        if pages is not None:
+            if isinstance(pages, int) or not pages or not all(_positive_int(p) for p in pages):
+                raise ValueError(
+                    "BackendCapabilities.page_sizes must be positive integers (tokens per page), or None, "
+                    f"got {pages!r}"
+                )
+            object.__setattr__(self, "page_sizes", tuple(pages))
 
-    def refusal(self, *, dtype: str, head_dim: int, kv_dtype: str | None = None, mla: bool = False) -> str | None:
+    def reads_kv_cache_dtype(self, name: str) -> bool:
+        """Whether it reads a cache of this dtype: one of ``kv_cache_dtypes``, or with none declared, of
+        ``dtypes`` (never an FP8 one, whose stored values are not the model's)."""
+        if self.kv_cache_dtypes is not None:
+            return name in self.kv_cache_dtypes
+        return name in self.dtypes and name not in FP8_KV_DTYPES
+
+    def cache_refusal(self, *, kv_dtype: str | None = None, page_size: int | None = None) -> str | None:
+        """Why it cannot read a cache of this dtype or page size, worded for an error, or ``None`` if it can."""
+        if kv_dtype is not None and not self.reads_kv_cache_dtype(kv_dtype):
+            declared = self.kv_cache_dtypes if self.kv_cache_dtypes is not None else self.dtypes
+            what = "an FP8 KV cache" if kv_dtype in FP8_KV_DTYPES else "a KV cache"
+            return (
+                f"{what} of dtype {kv_dtype} (it reads KV caches of {', '.join(declared)}; "
+                "BackendCapabilities.kv_cache_dtypes)"
+            )
+        if page_size is not None and self.page_sizes is not None and page_size not in self.page_sizes:
+            sizes = ", ".join(map(str, self.page_sizes))
+            return f"KV-cache page size {page_size} (it reads page sizes {sizes}; BackendCapabilities.page_sizes)"
+        return None
+
+    def refusal(
+        self,
+        *,
+        dtype: str,
+        head_dim: int,
+        kv_dtype: str | None = None,
+        mla: bool = False,
+        page_size: int | None = None,
+    ) -> str | None:
         """Why a model with these properties cannot run on this backend, or ``None`` if it can (``head_dims``
-        constrains dense layers only: an MLA layer's dims are its latent's)."""
+        constrains dense layers only: an MLA layer's dims are its latent's; the cache: :meth:`cache_refusal`)."""
         if mla and not self.mla:
             return "MLA models (multi-head latent attention; it does not declare BackendCapabilities.mla)"
-        for what, name in (("dtype", dtype), ("KV-cache dtype", kv_dtype)):
-            if name is not None and name not in self.dtypes:
-                return f"{what} {name} (it supports {', '.join(self.dtypes)})"
+        if dtype not in self.dtypes:
+            return f"dtype {dtype} (it supports {', '.join(self.dtypes)})"
+        cache = self.cache_refusal(kv_dtype=kv_dtype, page_size=page_size)
+        if cache is not None:
+            return cache
         if self.head_dims and head_dim not in self.head_dims and not mla:
             return f"head dim {head_dim} (it supports {', '.join(map(str, self.head_dims))})"
         return None
@@ -123,6 +178,10 @@ class BackendCapabilities:
             if not getattr(self, feature):
                 return f"{_FEATURE_WORDS[feature]} ({layer.variant_text(feature)}; it does not declare {feature})"
         return None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def capabilities_of(factory: object) -> BackendCapabilities:
@@ -158,8 +217,20 @@ class AttentionLayer:
     logit_cap: float = 0.0
     has_sinks: bool = False
     is_causal: bool = True
+    k_scale: float = 1.0
+    """An FP8 cache stores ``saturate(k / k_scale)`` and a backend reads ``stored * k_scale`` (docs/kv-cache.md);
+    a float cache ignores it, as both engines do. SGLang's ``RadixAttention.k_scale``, vLLM's ``_k_scale``."""
+    v_scale: float = 1.0
+    """As ``k_scale``, for values."""
 
     def __post_init__(self) -> None:
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+                raise ValueError(
+                    f"layer {self.layer_id}: {name} must be a finite number > 0 (1.0: unscaled), got {scale!r}"
+                )
+            object.__setattr__(self, name, float(scale))
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"layer {self.layer_id}: head counts and head_dim must be positive")
         self._check_variant()

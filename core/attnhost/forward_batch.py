@@ -1,7 +1,8 @@
-"""The token-slot KV cache and the per-forward batch that attention backends read.
+"""The KV cache and the per-forward batch that attention backends read.
 
-SGLang's with page size 1: every cached token owns one *slot* in a per-layer K and V buffer, and ``req_to_token``
-maps (request slot, position) to it. A ``ForwardBatch`` mirrors its lengths as ints, so per-layer code never
+SGLang's: every cached token owns one *slot* in a per-layer K and V buffer, and ``req_to_token`` maps (request
+slot, position) to it; slots come in pages of ``page_size`` (1: token slots), and the buffers may be FP8, written
+by the quantising write (docs/kv-cache.md). A ``ForwardBatch`` mirrors its lengths as ints, so per-layer code never
 syncs with the device for a shape.
 """
 
@@ -40,10 +41,41 @@ def float_dtype(owner: str, dtype: object) -> torch.dtype:
     return resolved
 
 
+FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The FP8 cache formats (``attnhost.backend.FP8_KV_DTYPES`` by name)."""
+
+
+def resolve_kv_cache_dtype(owner: str, dtype: object) -> torch.dtype:
+    """A KV cache's dtype: a float one (:func:`float_dtype`) or one of :data:`FP8_DTYPES`; the other 8-bit floats
+    (``*_fnuz``, ``e8m0``) are refused, as no engine's cache here stores them."""
+    resolved = float_dtype(owner, dtype)
+    if resolved.itemsize == 1 and resolved not in FP8_DTYPES:
+        raise ValueError(
+            f"{owner}: KV-cache dtype {str(resolved).removeprefix('torch.')} is not one the contract knows; "
+            "an FP8 cache is float8_e4m3fn or float8_e5m2"
+        )
+    return resolved
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The contract's quantising write (docs/kv-cache.md): ``saturate(x / scale)`` cast to ``dtype``, computed in
+    float32, saturate clamping to ``±finfo(dtype).max``. Clamping first makes overflow the largest finite value in
+    both formats (a bare cast gives ``inf`` in e5m2), and leaves NaN a NaN."""
+    limit = torch.finfo(dtype).max
+    scaled = x.to(torch.float32)
+    if scale != 1.0:
+        scaled = scaled / scale
+    return scaled.clamp(-limit, limit).to(dtype)
+
+
 class KVPool:
     """Per-layer K/V buffers indexed by token slot, plus the request-to-slot table. Allocation is FIFO, so the same
     calls always yield the same slots (tests and benchmarks need reproducible layouts), and a fresh pool hands out
-    ascending runs, which backends read as zero-copy views."""
+    ascending runs, which backends read as zero-copy views.
+
+    With ``page_size > 1`` slots come in pages, as in SGLang's paged allocator: ``num_slots`` rounds down to whole
+    pages, slot ``s`` is offset ``s % page_size`` of page ``s // page_size``, and :meth:`ForwardBatch.prepare`
+    fills a request's pages in order. ``dtype`` may be FP8 (:data:`FP8_DTYPES`): ``set_kv`` then quantises."""
 
     def __init__(
         self,
@@ -56,22 +88,32 @@ class KVPool:
         max_context_len: int,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
+        page_size: int = 1,
     ) -> None:
         self.num_layers = num_layers
-        self.num_slots = num_slots
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.max_requests = max_requests
         self.max_context_len = max_context_len
-        for name in ("num_layers", "num_slots", "num_kv_heads", "head_dim", "max_requests", "max_context_len"):
+        self.page_size = page_size
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_requests", "max_context_len", "page_size"):
             check_size("KVPool", name, getattr(self, name))
-        self.dtype = float_dtype("KVPool", dtype)
+        check_size("KVPool", "num_slots", num_slots)
+        if num_slots < page_size:
+            raise ValueError(f"KVPool: num_slots={num_slots} is less than one page (page_size={page_size})")
+        self.num_slots = num_slots - num_slots % page_size
+        self.num_pages = self.num_slots // page_size
+        self.dtype = resolve_kv_cache_dtype("KVPool", dtype)
+        self.is_fp8 = self.dtype in FP8_DTYPES
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (self.num_slots, num_kv_heads, head_dim)
         self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        # index_copy_ has no FP8 kernel: an FP8 cache is written through a byte view of the same memory.
+        self._k_store = [b.view(torch.uint8) for b in self._k] if self.is_fp8 else self._k
+        self._v_store = [b.view(torch.uint8) for b in self._v] if self.is_fp8 else self._v
         self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
-        self._free_slots = torch.arange(num_slots, dtype=torch.int64)  # on the CPU: bookkeeping, not data
+        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)  # on the CPU: bookkeeping, not data
         self._free_requests: dict[int, None] = dict.fromkeys(range(max_requests))  # a FIFO set
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
@@ -80,13 +122,29 @@ class KVPool:
     def v_buffer(self, layer_id: int) -> torch.Tensor:
         return self._v[self._check_layer(layer_id)]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer. Not ``buffer[loc] = k``
         (``index_put_``): on CPU that opens an OpenMP parallel region even for a few rows, which on shared cores waits
-        for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins."""
+        for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins. An FP8 cache stores
+        :func:`quantize_fp8` of them (the caller's tensors are left as they were, unlike SGLang's in-place divide);
+        a float cache ignores the scales."""
         layer = self._check_layer(layer_id)
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
             raise ValueError(f"KVPool.set_kv: {loc.shape[0]} slots but {k.shape[0]} K rows and {v.shape[0]} V rows")
+        if self.is_fp8:
+            k = quantize_fp8(k, k_scale, self.dtype).view(torch.uint8)
+            v = quantize_fp8(v, v_scale, self.dtype).view(torch.uint8)
+            self._k_store[layer].index_copy_(0, loc, k)
+            self._v_store[layer].index_copy_(0, loc, v)
+            return
         self._k[layer].index_copy_(0, loc, k.to(self.dtype))
         self._v[layer].index_copy_(0, loc, v.to(self.dtype))
 
@@ -97,28 +155,56 @@ class KVPool:
 
     @property
     def available_slots(self) -> int:
-        return int(self._free_slots.numel())
+        """Free token slots: the free pages' slots (a partly filled page is not free)."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    @property
+    def available_pages(self) -> int:
+        return int(self._free_pages.numel())
+
+    def alloc_pages(self, n: int) -> torch.Tensor:
+        """Take the ``n`` oldest free pages (int64 page numbers, on the pool's device)."""
+        if n < 0:
+            raise ValueError(f"KVPool.alloc_pages: n must be >= 0, got {n}")
+        if n > self.available_pages:
+            raise KVPoolFullError(
+                f"KV pool is full: the allocation needs {n} pages of {self.page_size} token slots, "
+                f"{self.available_pages} of {self.num_pages} free; free finished requests' slots or build a "
+                "larger KVPool"
+            )
+        taken, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        return taken.to(self.device)
 
     def alloc_slots(self, n: int) -> torch.Tensor:
-        """Take the ``n`` oldest free slots (int64, on the pool's device)."""
+        """Take the slots of ``n`` tokens laid out in whole pages: the ``ceil(n / page_size)`` oldest free pages'
+        slots in order, the first ``n`` of them (with token slots, page size 1: the ``n`` oldest free slots)."""
         if n < 0:
             raise ValueError(f"KVPool.alloc_slots: n must be >= 0, got {n}")
-        if n > self.available_slots:
+        pages = -(-n // self.page_size)
+        if pages > self.available_pages:
             raise KVPoolFullError(
                 f"KV pool is full: the allocation needs {n} token slots, {self.available_slots} of "
                 f"{self.num_slots} free; free finished requests' slots or build a larger KVPool"
             )
-        taken, self._free_slots = self._free_slots[:n], self._free_slots[n:]
-        return taken.to(self.device)
+        return self.page_slots(self.alloc_pages(pages))[:n]
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """The slots of ``pages``, page after page, each page's in order."""
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+        return (pages.to(torch.int64).unsqueeze(1) * self.page_size + offsets).reshape(-1)
 
     def free_slots(self, slots: torch.Tensor) -> None:
-        """Return ``slots`` to the back of the free list; double frees are refused."""
+        """Return the pages holding ``slots`` to the back of the free list (SGLang's paged allocator frees the pages
+        of the slots it is given; with token slots a page is a slot); double frees are refused."""
         cpu = slots.detach().to("cpu", torch.int64).reshape(-1)
         if cpu.numel() and (int(cpu.min()) < 0 or int(cpu.max()) >= self.num_slots):
             raise ValueError(f"KVPool.free_slots: slot out of range [0, {self.num_slots})")
-        if torch.unique(cpu).numel() < cpu.numel() or bool(torch.isin(cpu, self._free_slots).any()):
+        pages = cpu // self.page_size
+        if self.page_size > 1:
+            pages = torch.unique(pages)
+        if torch.unique(pages).numel() < pages.numel() or bool(torch.isin(pages, self._free_pages).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
-        self._free_slots = torch.cat([self._free_slots, cpu])
+        self._free_pages = torch.cat([self._free_pages, pages])
 
     def alloc_request(self) -> int:
         if not self._free_requests:
@@ -195,6 +281,17 @@ class ForwardBatch:
         if self.tree_mask is not None:
             _check_tree_mask("ForwardBatch", self.forward_mode, self.extend_seq_lens_cpu, self.tree_mask)
 
+    @functools.cached_property
+    def page_table(self) -> torch.Tensor:
+        """``[batch_size, max_pages]`` int64: entry ``[i, n]`` is the page holding tokens ``n * page_size ..`` of
+        request ``i`` (``req_to_token[req_pool_indices, ::page_size] // page_size``), for ``n`` below
+        ``ceil(seq_lens[i] / page_size)``; later entries are undefined. Built on first use and kept on the batch,
+        so every layer shares one table (with page size 1 it is the requests' slots)."""
+        size = self.kv_pool.page_size
+        width = -(-max(self.seq_lens_cpu, default=0) // size)
+        table = self.kv_pool.req_to_token.index_select(0, self.req_pool_indices.to(torch.int64))
+        return table[:, : width * size : size].to(torch.int64) // size
+
     @classmethod
     def prepare(
         cls,
@@ -236,7 +333,10 @@ class ForwardBatch:
         if tree_mask is not None:  # before the allocation, so a refused mask takes no slot
             tree_mask = tree_mask.to(device=kv_pool.device)
             _check_tree_mask("ForwardBatch.prepare", forward_mode, extend_lens, tree_mask)
-        out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
+        if kv_pool.page_size == 1:
+            out_cache_loc = kv_pool.alloc_slots(sum(extend_lens))  # the one allocation: it raises before taking any
+        else:
+            out_cache_loc = _alloc_in_pages(kv_pool, specs)
         for (req, prefix, extend), loc in zip(specs, out_cache_loc.split_with_sizes(extend_lens), strict=True):
             kv_pool.req_to_token[req, prefix : prefix + extend] = loc
         return cls.from_lists(kv_pool, forward_mode, specs, out_cache_loc, tree_mask)
@@ -267,6 +367,29 @@ class ForwardBatch:
             extend_seq_lens_cpu=extend,
             tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device),
         )
+
+
+def _alloc_in_pages(kv_pool: KVPool, specs: Sequence[tuple[int, ...]]) -> torch.Tensor:
+    """The new tokens' slots as SGLang's paged allocator lays them out: a request's tokens fill its last, partly
+    filled page first (the page of its token ``prefix_len - 1``), then new pages, each in order. The pages are
+    counted first and taken in one allocation, so a refusal takes nothing."""
+    size = kv_pool.page_size
+    needs = [-(-(prefix + extend) // size) - -(-prefix // size) for _, prefix, extend in specs]
+    pages = kv_pool.alloc_pages(sum(needs)).tolist()
+    rows = kv_pool.req_to_token
+    locs: list[torch.Tensor] = []
+    taken = 0
+    for (req, prefix, extend), need in zip(specs, needs, strict=True):
+        parts = []
+        partial = min(extend, -prefix % size)  # the free rest of the last page, if the prefix ends inside one
+        if partial:
+            first = int(rows[req, prefix - 1]) + 1
+            parts.append(torch.arange(first, first + partial, dtype=torch.int64))
+        mine = torch.tensor(pages[taken : taken + need], dtype=torch.int64)
+        taken += need
+        parts.append(kv_pool.page_slots(mine)[: extend - partial])
+        locs.append(torch.cat(parts))
+    return torch.cat(locs).to(kv_pool.device)
 
 
 def _check_tree_mask(owner: str, mode: ForwardMode, extend_lens: Sequence[int], tree_mask: torch.Tensor) -> None:

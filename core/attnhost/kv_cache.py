@@ -27,8 +27,25 @@ class KVCache(_OnDevice, Protocol):
     @property
     def req_to_token(self) -> torch.Tensor: ...
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per page the cache was allocated in (1: token slots): a request's tokens fill its pages in order,
+        so token ``p``'s slot is ``page * page_size + p % page_size`` (``ForwardBatch.page_table`` lists the pages)."""
+        ...
+
     def k_buffer(self, layer_id: int) -> torch.Tensor: ...
 
     def v_buffer(self, layer_id: int) -> torch.Tensor: ...
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Write K/V at slots ``loc``; an FP8 cache stores ``saturate(k / k_scale)`` (docs/kv-cache.md), a float one
+        ignores the scales."""
+        ...

@@ -26,6 +26,7 @@ class MLAKVPool(KVPool):
         max_context_len: int,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
+        page_size: int = 1,
     ) -> None:
         super().__init__(
             num_layers,
@@ -36,13 +37,23 @@ class MLAKVPool(KVPool):
             max_context_len=max_context_len,
             dtype=dtype,
             device=device,
+            page_size=page_size,
         )
         self.mla = mla
         self._v = [row[..., : mla.kv_lora_rank] for row in self._k]  # the separate V buffers are dropped
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         """Write the new tokens' latent rows ``k`` (``[n, 1, latent_dim]`` or ``[n, latent_dim]``) at slots
-        ``loc``; ``v`` is ignored, as V is the rows' first ``kv_lora_rank`` columns (``MLATokenToKVPool``)."""
+        ``loc``; ``v`` is ignored, as V is the rows' first ``kv_lora_rank`` columns (``MLATokenToKVPool``). The
+        scales too: a latent cache is never FP8 (the runner refuses it)."""
         layer = self._check_layer(layer_id)
         width = self.mla.latent_dim
         if k.shape[0] != loc.shape[0] or k.shape[-1] != width or k.numel() != loc.shape[0] * width:

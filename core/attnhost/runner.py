@@ -15,10 +15,17 @@ import torch
 
 from attnhost import resolution
 from attnhost.availability import check_availability
-from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities, build_backend, capabilities_of
+from attnhost.backend import (
+    AttentionBackend,
+    AttentionLayer,
+    BackendCapabilities,
+    build_backend,
+    capabilities_of,
+    dtype_name,
+)
 from attnhost.context import ForwardContext
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, describe_exception, printable_record
-from attnhost.forward_batch import ForwardBatch, KVPool, check_size, float_dtype
+from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, KVPool, check_size, float_dtype, resolve_kv_cache_dtype
 from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
@@ -26,7 +33,7 @@ from attnhost.hybrid import HybridAttnBackend
 from attnhost.mla import MLAConfig, MLAForm
 from attnhost.mla_pool import MLAKVPool
 from attnhost.platform import current_platform
-from attnhost.server_args import ServerArgs
+from attnhost.server_args import KV_CACHE_DTYPES, ServerArgs
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -60,11 +67,18 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         platform: str | None = None,  # overrides detection, as --platform does
         mla: MLAConfig | None = None,
+        kv_cache_dtype: torch.dtype | str | None = None,
+        page_size: int | None = None,
     ) -> None:
         """``mla``: the model uses multi-head latent attention (``num_kv_heads`` and ``head_dim`` are then
         ignored): its cache is an :class:`~attnhost.mla_pool.MLAKVPool`, ``layers`` are the absorbed form and
         ``mha_layers`` the MHA form of the same layers, and a backend that does not declare ``mla`` is refused
-        here."""
+        here.
+
+        ``kv_cache_dtype`` (a torch dtype, its name or an ``--kv-cache-dtype`` value; default:
+        ``args.kv_cache_dtype``; ``auto``: ``dtype``) and ``page_size`` (default: ``args.page_size``) shape the
+        cache (docs/kv-cache.md); a backend that does not declare them is refused here, by name, before any
+        batch."""
         if not isinstance(args, ServerArgs):
             raise TypeError(f"ModelRunner needs an attnhost.ServerArgs, not {type(args).__name__}")
         sizes = (num_layers, num_heads, num_kv_heads, head_dim, max_requests, max_context_len)
@@ -85,6 +99,17 @@ class ModelRunner:
         self.dtype = float_dtype("ModelRunner", dtype)
         self.device = torch.device(device)
         self.mla = mla
+        cache_dtype: torch.dtype | str | None = args.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
+        if isinstance(cache_dtype, str) and cache_dtype in KV_CACHE_DTYPES:  # SGLang's flag values
+            cache_dtype = KV_CACHE_DTYPES[cache_dtype]
+        self.kv_cache_dtype = resolve_kv_cache_dtype("ModelRunner", cache_dtype or self.dtype)
+        self.page_size = args.page_size if page_size is None else page_size
+        check_size("ModelRunner", "page_size", self.page_size)
+        if mla is not None and self.kv_cache_dtype in FP8_DTYPES:
+            raise UnsupportedFeatureError(
+                f"{self.role} runner: an MLA model with an FP8 KV cache ({dtype_name(self.kv_cache_dtype)}): the "
+                "contract's FP8 cache (docs/kv-cache.md) is per-head K/V; use --kv-cache-dtype auto"
+            )
         self.kv_pool: KVPool
         if mla is None:
             self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
@@ -96,8 +121,9 @@ class ModelRunner:
                 head_dim,
                 max_requests=max_requests,
                 max_context_len=max_context_len,
-                dtype=self.dtype,
+                dtype=self.kv_cache_dtype,
                 device=self.device,
+                page_size=self.page_size,
             )
         else:
             self.layers = tuple(AttentionLayer.for_mla(mla, MLAForm.ABSORBED, i, num_heads) for i in range(num_layers))
@@ -108,8 +134,9 @@ class ModelRunner:
                 mla,
                 max_requests=max_requests,
                 max_context_len=max_context_len,
-                dtype=self.dtype,
+                dtype=self.kv_cache_dtype,
                 device=self.device,
+                page_size=self.page_size,
             )
         self.resolution: resolution.TargetResolution | resolution.DraftResolution
         if is_draft:
@@ -167,6 +194,14 @@ class ModelRunner:
                 f"{where} cannot serve this MLA model (multi-head latent attention, kv_lora_rank {m.kv_lora_rank}, "
                 f"qk_rope_head_dim {m.qk_rope_head_dim}): it does not declare BackendCapabilities.mla; choose a "
                 "backend that declares it (e.g. torch_native)"
+            )
+        cache = self._capabilities[name].cache_refusal(
+            kv_dtype=dtype_name(self.kv_cache_dtype), page_size=self.page_size
+        )
+        if cache is not None:
+            raise UnsupportedFeatureError(
+                f"{where} cannot read {cache}; choose another --kv-cache-dtype or --page-size, or a backend that "
+                "declares them (e.g. torch_native)"
             )
         backend = build_backend(factory, self, where=where, way_out=way_out, owner=owner)
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = name

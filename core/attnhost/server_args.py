@@ -12,9 +12,11 @@ from attnhost.errors import UnknownBackendError
 from attnhost.host import default_host
 from attnhost.registry import Registry
 
-__all__ = ["SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
+__all__ = ["KV_CACHE_DTYPES", "SPECULATIVE_ATTENTION_MODES", "ServerArgs"]
 
 SPECULATIVE_ATTENTION_MODES: tuple[str, ...] = ("prefill", "decode")
+KV_CACHE_DTYPES: dict[str, str | None] = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""SGLang's ``--kv-cache-dtype`` values and the cache dtype each selects (``auto``: the model's dtype)."""
 
 _BACKEND_FLAGS = {
     "attention_backend": "the attention backend for prefill and decode; choices: {targets}",
@@ -37,6 +39,10 @@ class ServerArgs:
     decode_attention_backend: str | None = None
     speculative_draft_attention_backend: str | None = None
     speculative_attention_mode: Literal["prefill", "decode"] = "prefill"
+    kv_cache_dtype: str = "auto"
+    """SGLang's ``--kv-cache-dtype``: ``auto`` (the model's dtype), ``fp8_e4m3`` or ``fp8_e5m2`` (docs/kv-cache.md)."""
+    page_size: int = 1
+    """SGLang's ``--page-size``: tokens per KV-cache page (1: token slots)."""
 
     def __post_init__(self) -> None:
         registry = default_host().freeze(by="the first ServerArgs")
@@ -49,6 +55,13 @@ class ServerArgs:
                 f"invalid speculative_attention_mode {self.speculative_attention_mode!r}; "
                 f"choose from: {', '.join(SPECULATIVE_ATTENTION_MODES)}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"invalid kv_cache_dtype {self.kv_cache_dtype!r}; choose from: {', '.join(KV_CACHE_DTYPES)}"
+            )
+        page = self.page_size
+        if isinstance(page, bool) or not isinstance(page, int) or page <= 0:
+            raise ValueError(f"invalid page_size {page!r}; it is a positive number of tokens per page (1: slots)")
 
     def get_attention_backends(self) -> tuple[str | None, str | None]:
         """``(prefill, decode)``: the specific flag if given, else ``attention_backend``."""
@@ -81,6 +94,21 @@ class ServerArgs:
             choices=SPECULATIVE_ATTENTION_MODES,
             default="prefill",
             help="which backend verifies draft tokens: the prefill or the decode one (default: %(default)s)",
+        )
+        cache = parser.add_argument_group("KV cache")
+        cache.add_argument(
+            "--kv-cache-dtype",
+            dest="kv_cache_dtype",
+            choices=tuple(KV_CACHE_DTYPES),
+            default="auto",
+            help="the KV cache's dtype: auto (the model's) or FP8 with per-layer scales (default: %(default)s)",
+        )
+        cache.add_argument(
+            "--page-size",
+            dest="page_size",
+            type=int,
+            default=1,
+            help="tokens per KV-cache page; a backend may declare the page sizes it reads (default: %(default)s)",
         )
 
     @classmethod

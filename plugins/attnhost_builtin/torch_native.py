@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
+from attnhost.backend import FLOAT_DTYPES, FP8_KV_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities
 from attnhost_builtin import torch_native_mla, torch_native_variants
 
 if TYPE_CHECKING:
@@ -241,7 +241,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     """Reference-quality attention on any device torch runs on; SGLang's ``torch_native``."""
 
     # Every path views q itself anyway, so SGLang's [T, heads * dim] layout costs nothing extra.
+    # An FP8 cache is dequantised where its rows change dtype anyway; pages are read through req_to_token.
     capabilities = BackendCapabilities(
+        kv_cache_dtypes=(*FLOAT_DTYPES, *FP8_KV_DTYPES),
         flat_heads=True,
         tree_mask=True,
         mla=True,
@@ -294,7 +296,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache:
             if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
                 k, v = (t.view(-1, layer.num_kv_heads, layer.head_dim) for t in (k, v))
-            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v)
+            pool.set_kv(layer.layer_id, forward_batch.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         flat = q.dim() == 2  # [T, heads * dim] in, the same out (capabilities.flat_heads)
         k_buffer, v_buffer = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
         if layer.has_sinks or sinks is not None:
@@ -536,7 +538,8 @@ def _decode(
             keys = keys.view(count, width, kv_heads, dim).transpose(1, 2)
             values = values.view(count, width, kv_heads, dim).transpose(1, 2)
         if convert:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            keys = torch_native_variants.kv_as(keys, q.dtype, layer.k_scale)
+            values = torch_native_variants.kv_as(values, q.dtype, layer.v_scale)
         mine = queries[chunk.rows] if isinstance(chunk.rows, slice) else queries.index_select(0, chunk.rows)
         if explicit:
             work = torch_native_variants.work_dtype(q.dtype)
@@ -584,7 +587,10 @@ def _sdpa_request(
     group = layer.num_heads // layer.num_kv_heads
     k_h, v_h = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # views
     if k_h.dtype != q.dtype:
-        k_h, v_h = k_h.to(q.dtype), v_h.to(q.dtype)
+        k_h, v_h = (
+            torch_native_variants.kv_as(k_h, q.dtype, layer.k_scale),
+            torch_native_variants.kv_as(v_h, q.dtype, layer.v_scale),
+        )
     folds, is_causal, mask = req.recipe(group, q.device)
     if folds and req.q_len == 1:
         # One query token (decode): the folded [kv_heads, group, dim] layout is q's own memory

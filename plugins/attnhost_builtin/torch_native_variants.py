@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from attnhost.backend import AttentionLayer
     from attnhost_builtin.torch_native import _BatchPlan, _RequestPlan
 
-__all__ = ["Recipe", "attend", "check_sinks", "explicit_attention", "sink_rows", "work_dtype"]
+__all__ = ["Recipe", "attend", "check_sinks", "explicit_attention", "kv_as", "sink_rows", "work_dtype"]
 
 # Largest score matrix (query heads x query rows x key rows) one block computes: a long prompt is cut into
 # blocks of queries below it, so the explicit path's float32 scores and a folded mask stay tens of MB.
@@ -53,6 +53,15 @@ class Recipe:
     first_key: int  # the first key row any of its queries sees (with a window, the prefix before it is never read)
     blocks: list[_Block]
     blind: torch.Tensor | None  # [q_len, 1, 1], True for a query that sees no key (zeros); None: there is none
+
+
+def kv_as(rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache rows as ``dtype`` values: an FP8 row (one byte) is ``stored.to(float32) * scale`` (docs/kv-cache.md),
+    a float row is cast, its scale ignored as the engines ignore it. Called only where rows change dtype, so a
+    float cache read in its own dtype pays nothing."""
+    if scale == 1.0 or rows.element_size() != 1:
+        return rows.to(dtype)  # FP8 values are exact in every float dtype: no float32 step needed
+    return rows.to(torch.float32).mul_(scale).to(dtype)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,7 +144,7 @@ def attend(
         k_h = _key_rows(plan, req, k_buffer, recipe.first_key, 0).transpose(0, 1).unsqueeze(0)
         v_h = _key_rows(plan, req, v_buffer, recipe.first_key, 1).transpose(0, 1).unsqueeze(0)
         if k_h.dtype != work:
-            k_h, v_h = k_h.to(work), v_h.to(work)
+            k_h, v_h = kv_as(k_h, work, layer.k_scale), kv_as(v_h, work, layer.v_scale)
         queries = q[req.q_start : req.q_start + req.q_len]
         parts = []
         for block in recipe.blocks:

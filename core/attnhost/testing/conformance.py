@@ -75,8 +75,9 @@ from attnhost.platform import current_platform
 from attnhost.registry import BackendEntry
 from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
+from attnhost.testing.cache_conformance import CacheConformance
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
-from attnhost.testing.harness import LayerRun, Request, fail
+from attnhost.testing.harness import LayerRun, Request, fail, same_bits, stored
 from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import tree_mask
 from attnhost.testing.variant_conformance import VariantConformance
@@ -124,7 +125,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance(MLAConformance, VariantConformance):
+class BackendConformance(MLAConformance, VariantConformance, CacheConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     # -- the spec -----------------------------------------------------------------------
@@ -552,11 +553,11 @@ class BackendConformance(MLAConformance, VariantConformance):
         pool = runner.kv_pool
         layer_id = run.layer.layer_id
         loc = batch.out_cache_loc
-        for kind, buffer, new, expected in (
-            ("K", pool.k_buffer(layer_id), run.k, run.expected_k),
-            ("V", pool.v_buffer(layer_id), run.v, run.expected_v),
+        for kind, buffer, new, expected, scale in (
+            ("K", pool.k_buffer(layer_id), run.k, run.expected_k, run.layer.k_scale),
+            ("V", pool.v_buffer(layer_id), run.v, run.expected_v, run.layer.v_scale),
         ):
-            if torch.equal(buffer, expected):
+            if same_bits(buffer, expected):
                 continue
             wrong = (buffer != expected).flatten(1).any(dim=1)
             slot = int(wrong.nonzero()[0])
@@ -570,11 +571,11 @@ class BackendConformance(MLAConformance, VariantConformance):
                     (
                         f"; it holds new token {int(i)}'s {kind}"
                         for i in range(new.shape[0])
-                        if torch.equal(buffer[slot], new[i].to(pool.dtype))
+                        if same_bits(buffer[slot], stored(new[i], scale, pool.dtype))
                     ),
                     "",
                 )
-                went = _where_it_went(pool, len(runner.layers), new[token].to(pool.dtype), kind)
+                went = _where_it_went(pool, len(runner.layers), stored(new[token], scale, pool.dtype), kind)
                 went_text = f"; that token's {kind} went to {went}" if went else f"; that token's {kind} is nowhere"
                 if went and all(place.startswith("layer 0 ") for place in went.split(" and ")) and layer_id != 0:
                     went_text += f" (layer {layer_id}'s K/V was written into layer 0: pass layer.layer_id to set_kv)"
@@ -588,9 +589,7 @@ class BackendConformance(MLAConformance, VariantConformance):
                 f"(max abs change {change:.1e}); a backend writes only the batch's out_cache_loc slots"
             )
         for other, (k, v) in enumerate(before):
-            if other != layer_id and not (
-                torch.equal(pool.k_buffer(other), k) and torch.equal(pool.v_buffer(other), v)
-            ):
+            if other != layer_id and not (same_bits(pool.k_buffer(other), k) and same_bits(pool.v_buffer(other), v)):
                 fail(f"{what}: running layer {layer_id} changed layer {other}'s cache; use layer.layer_id")
 
     def test_save_kv_cache_false_neither_writes_nor_uses_k_v(self) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from attnhost.backend import AttentionLayer
 from attnhost.forward_batch import ForwardBatch
-from attnhost.testing.reference import reference_request_attention, tree_blocks
+from attnhost.testing.reference import cache_values, reference_request_attention, tree_blocks
 
 __all__ = ["MISTAKES", "LayerFacts", "Mistake", "Reference", "RequestView", "diagnose", "diagnose_batch"]
 
@@ -74,6 +74,9 @@ class RequestView:
     prefix_len: int
     tree: torch.Tensor | None = None
     other_layers: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()
+    misreadings: tuple[tuple[str, str, torch.Tensor, torch.Tensor], ...] = ()
+    """Keys and values as a usual mistake reads the cache, ``(matches, question, k, v)``: an FP8 cache without
+    its scales, pages read wrongly (:func:`diagnose_batch` builds them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +339,9 @@ def diagnose(
             f"attention over layer {other}'s keys and values",
             f"does layer {layer_id} read the cache with layer.layer_id, not layer {other}?",
         )
+    readings = dict.fromkeys((matches, question) for r in requests for matches, question, _, _ in r.misreadings)
+    for matches, question in readings:
+        consider([_misread(r, matches, ref) for r, ref in zip(requests, references, strict=True)], matches, question)
     matched = [candidate for candidate in candidates if candidate[0] <= atol or candidate[0] * CLOSER <= error]
     if matched:
         err, matches, question = min(matched)
@@ -371,17 +377,77 @@ def diagnose_batch(
         requests.append(
             RequestView(
                 q[start : start + extend].to("cpu"),
-                k_buf[slots].to("cpu"),
-                v_buf[slots].to("cpu"),
+                cache_values(k_buf[slots].to("cpu"), layer.k_scale),
+                cache_values(v_buf[slots].to("cpu"), layer.v_scale),
                 forward_batch.prefix_lens_cpu[i],
                 None if trees is None else trees[i],
                 tuple(
-                    (other, pool.k_buffer(other)[slots].to("cpu"), pool.v_buffer(other)[slots].to("cpu"))
+                    (
+                        other,
+                        cache_values(pool.k_buffer(other)[slots].to("cpu"), layer.k_scale),
+                        cache_values(pool.v_buffer(other)[slots].to("cpu"), layer.v_scale),
+                    )
                     for other in others
                 ),
+                _misreadings(pool, layer, k_buf, v_buf, slots),
             )
         )
     return diagnose(out, requests, LayerFacts.of(layer, sinks), atol, layer_id=layer.layer_id)
+
+
+def _misread(request: RequestView, matches: str, ref: Reference) -> torch.Tensor | None:
+    for name, _, k, v in request.misreadings:
+        if name == matches:
+            return ref(request.q, k, v)
+    return None
+
+
+def _misreadings(
+    pool: Any, layer: AttentionLayer, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
+) -> tuple[tuple[str, str, torch.Tensor, torch.Tensor], ...]:
+    """One request's keys and values as the cache-format mistakes read them (``slots``: its true slots)."""
+    found = []
+    k_stored, v_stored = k_buf[slots].to("cpu"), v_buf[slots].to("cpu")
+    k_values, v_values = cache_values(k_stored, layer.k_scale), cache_values(v_stored, layer.v_scale)
+    if k_stored.element_size() == 1 and (layer.k_scale != 1.0 or layer.v_scale != 1.0):
+        k_raw, v_raw = k_stored.to(torch.float64), v_stored.to(torch.float64)
+        fix = "an FP8 cache holds x / scale: read stored.to(float32) * layer.k_scale (values: * layer.v_scale)"
+        found += [
+            ("attention over the FP8 cache's stored values, k_scale and v_scale not applied", fix, k_raw, v_raw),
+            ("attention over the FP8 cache with k_scale not applied to the keys", fix, k_raw, v_values),
+            ("attention over the FP8 cache with v_scale not applied to the values", fix, k_values, v_raw),
+        ]
+    size = getattr(pool, "page_size", 1)
+    if size > 1:
+        positions = torch.arange(len(slots), device=slots.device)
+        pages = slots[positions // size * size] // size  # the request's page table, entry by position
+        as_slots = (pages + positions % size).clamp(max=len(k_buf) - 1)
+        run = (slots[0] + positions).clamp(max=len(k_buf) - 1)
+        for matches, question, wrong in (
+            (
+                "attention over keys read at page_table[i, p // page_size] + p % page_size (a page number used "
+                "as a slot number)",
+                "token p of a request sits at slot page_table[i, p // page_size] * page_size + p % page_size: "
+                "multiply the page number by kv_pool.page_size",
+                as_slots,
+            ),
+            (
+                "attention over keys read as one run of slots from the request's first one (pages read as if "
+                "contiguous)",
+                "a request's pages need not be adjacent: read each page through forward_batch.page_table or every "
+                "slot through req_to_token",
+                run,
+            ),
+        ):
+            found.append(
+                (
+                    matches,
+                    question,
+                    cache_values(k_buf[wrong].to("cpu"), layer.k_scale),
+                    cache_values(v_buf[wrong].to("cpu"), layer.v_scale),
+                )
+            )
+    return tuple(found)
 
 
 def _read_other_layer(request: RequestView, other: int, ref: Reference) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from attnhost.backend import (
 )
 from attnhost.discovery import PluginInfo
 from attnhost.errors import printable
-from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, quantize_fp8
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
 from attnhost.platform import current_platform
@@ -37,7 +37,7 @@ from attnhost.testing.diagnose import diagnose_batch
 from attnhost.testing.reference import reference_attention
 from attnhost.testing.watch import watch_slow
 
-__all__ = ["ConformanceHarness", "LayerRun", "Request", "Step", "fail"]
+__all__ = ["ConformanceHarness", "LayerRun", "Request", "Step", "fail", "same_bits", "stored"]
 
 Request = tuple[int, int, int]
 _HANGS = "waiting for it — if it hangs, press Ctrl-C: pytest shows where it waits (--full-trace: the whole stack)"
@@ -95,6 +95,7 @@ class ConformanceHarness:
     _generator: torch.Generator
     _pytest_config: pytest.Config
     _flat_queries = False  # test_flat_heads_layout: queries as [T, heads * head_dim]
+    _saturating = 0.0  # the FP8 cases: > 0 puts K/V entries of this magnitude, beyond the cache's range, in every batch
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -159,7 +160,11 @@ class ConformanceHarness:
         num_heads: int = 8,
         num_kv_heads: int = 2,
         dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: torch.dtype | None = None,
+        page_size: int = 1,
     ) -> ModelRunner:
+        """A runner of the backend under test (``kv_cache_dtype``: the cache's, default ``dtype``; ``page_size``:
+        the cache's pages)."""
         self._require_available()
         role = "draft" if is_draft else "target"
         head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
@@ -182,6 +187,8 @@ class ConformanceHarness:
                     dtype=dtype,
                     device=self.device,
                     platform=self.platform,
+                    kv_cache_dtype=kv_cache_dtype,
+                    page_size=page_size,
                 )
         except Exception as exc:
             raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
@@ -276,10 +283,14 @@ class ConformanceHarness:
         q = self._randn(n, layer.num_heads, layer.head_dim, dtype=runner.dtype)
         k = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
         v = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        if self._saturating:  # every 3rd token, every 5th entry: both signs, beyond finfo.max * scale
+            sign = torch.where(self._randn(n, 1, 1, dtype=runner.dtype) > 0, 1.0, -1.0).to(runner.dtype)
+            k[::3, :, ::5] = (sign[::3] * self._saturating).expand_as(k[::3, :, ::5])
+            v[1::3, :, ::5] = (sign[1::3] * self._saturating).expand_as(v[1::3, :, ::5])
         expected_k = pool.k_buffer(layer.layer_id).clone()
         expected_v = pool.v_buffer(layer.layer_id).clone()
-        expected_k[batch.out_cache_loc] = k.to(pool.dtype)
-        expected_v[batch.out_cache_loc] = v.to(pool.dtype)
+        expected_k[batch.out_cache_loc] = stored(k, layer.k_scale, pool.dtype)
+        expected_v[batch.out_cache_loc] = stored(v, layer.v_scale, pool.dtype)
         # sink logits of either sign and large enough to take a visible share of the softmax (docs/variants.md)
         sinks = self._randn(layer.num_heads, dtype=runner.dtype) * 1.5 + 1.0 if layer.has_sinks else None
         if self._flat_queries:
@@ -409,10 +420,12 @@ class ConformanceHarness:
         return r, self._fragmented_prefix(runner, 17)
 
     def _fragmented_prefix(self, runner: ModelRunner, prefix_len: int) -> int:
-        """A request whose cached prefix sits in descending, non-contiguous slots, written by the caller."""
+        """A request whose cached prefix sits in descending, non-contiguous slots (pages, with pages), written by the
+        caller."""
         pool = runner.kv_pool
         request = runner.new_request()
-        slots = pool.alloc_slots(prefix_len).flip(0)
+        pages = -(-prefix_len // pool.page_size)
+        slots = pool.page_slots(pool.alloc_pages(pages).flip(0))[:prefix_len]  # in pages: offsets stay in order
         pool.req_to_token[request, :prefix_len] = slots
         for layer in runner.layers:
             pool.set_kv(
@@ -422,6 +435,21 @@ class ConformanceHarness:
                 self._randn(prefix_len, layer.num_kv_heads, layer.head_dim, dtype=pool.dtype),
             )
         return request
+
+
+def stored(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a cache of ``dtype`` must hold after writing ``x``: the quantising write of an FP8 one
+    (docs/kv-cache.md), else ``x`` cast."""
+    return quantize_fp8(x, scale, dtype) if dtype in FP8_DTYPES else x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` for any cache dtype: FP8 has no equality kernel, so one-byte tensors compare as bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
 
 
 def _missing_backend_message(name: str) -> str:

@@ -18,7 +18,22 @@ import torch
 from attnhost.backend import AttentionLayer
 from attnhost.forward_batch import ForwardBatch
 
-__all__ = ["causal_mask", "reference_attention", "reference_request_attention", "tree_blocks", "tree_mask"]
+__all__ = [
+    "cache_values",
+    "causal_mask",
+    "reference_attention",
+    "reference_request_attention",
+    "tree_blocks",
+    "tree_mask",
+]
+
+
+def cache_values(buffer: torch.Tensor, scale: float) -> torch.Tensor:
+    """What a cache buffer holds as values: an FP8 one's ``stored * scale`` in float64 (docs/kv-cache.md), a
+    float one as it is (its scale ignored, as the engines ignore it)."""
+    if buffer.element_size() != 1:
+        return buffer
+    return buffer.to(torch.float64) * scale
 
 
 def reference_attention(
@@ -36,11 +51,12 @@ def reference_attention(
     ``q`` holds the batch's new tokens in request order.  Keys and values come
     from ``forward_batch.kv_pool`` for ``layer.layer_id`` unless ``k_buffer`` /
     ``v_buffer`` (``[num_slots, num_kv_heads, head_dim]``) are given, e.g. a
-    snapshot taken before a backend could have touched the cache.
+    snapshot taken before a backend could have touched the cache. An FP8 cache is
+    read dequantised with the layer's scales (:func:`cache_values`).
     """
     pool = forward_batch.kv_pool
-    k_buf = pool.k_buffer(layer.layer_id) if k_buffer is None else k_buffer
-    v_buf = pool.v_buffer(layer.layer_id) if v_buffer is None else v_buffer
+    k_buf = cache_values(pool.k_buffer(layer.layer_id) if k_buffer is None else k_buffer, layer.k_scale)
+    v_buf = cache_values(pool.v_buffer(layer.layer_id) if v_buffer is None else v_buffer, layer.v_scale)
     q = q.reshape(-1, layer.num_heads, layer.head_dim)
     outputs = [torch.zeros((0, layer.num_heads, layer.head_dim), dtype=torch.float64)]
     trees = tree_blocks(forward_batch)

@@ -29,6 +29,7 @@ class StridedCache:
         self._v = torch.zeros(slots, kv_heads, 2 * dim, dtype=dtype)[:, :, dim:]
         self.req_to_token = torch.zeros(rows, width, dtype=torch.int32)
         self.device, self.dtype = torch.device("cpu"), dtype
+        self.page_size = 1
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self._k
@@ -36,7 +37,15 @@ class StridedCache:
     def v_buffer(self, layer_id: int) -> torch.Tensor:
         return self._v
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         self._k.index_copy_(0, loc, k.to(self.dtype))
         self._v.index_copy_(0, loc, v.to(self.dtype))
 

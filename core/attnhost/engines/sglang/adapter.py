@@ -164,6 +164,9 @@ class SGLangKVCache:
     """
 
     __slots__ = ("_layers", "_physical", "_pool", "_req_to_token_pool", "_table", "device")
+    page_size = 1
+    """Its ``req_to_token`` lists token slots; the engine's FP8 caches and scales are refused at start-up, so
+    ``set_kv`` writes a float cache, which ignores scales (docs/kv-cache.md)."""
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool: MHATokenToKVPool, device: torch.device) -> None:
         self._req_to_token_pool = req_to_token_pool
@@ -191,7 +194,15 @@ class SGLangKVCache:
         buffer: torch.Tensor = self._pool.get_value_buffer(layer_id)
         return buffer
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, physical=self._physical), k, v)
 
 
@@ -211,7 +222,15 @@ class SGLangWindowKVCache(SGLangKVCache):
         self._table = translated
         return translated
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, swa_loc=loc, physical=self._physical), k, v)
 
 

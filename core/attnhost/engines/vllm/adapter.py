@@ -158,6 +158,9 @@ class VLLMKVCache:
     """
 
     __slots__ = ("device", "dtype", "req_to_token", "views")
+    page_size = 1
+    """Its ``req_to_token`` lists token slots; the engine's FP8 caches and scales are refused at start-up, so
+    ``set_kv`` writes a float cache, which ignores scales (docs/kv-cache.md)."""
 
     def __init__(
         self,
@@ -177,7 +180,15 @@ class VLLMKVCache:
     def v_buffer(self, layer_id: int) -> torch.Tensor:
         return self.views[layer_id][1]
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         # index_copy_ writes through the strided views into vLLM's tensor (see KVPool.set_kv for why not k[loc] = ...)
         k_view, v_view, _ = self.views[layer_id]
         k_view.index_copy_(0, loc, k.to(k_view.dtype))

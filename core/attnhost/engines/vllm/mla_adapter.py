@@ -93,7 +93,15 @@ class VLLMLatentCache(VLLMKVCache):
 
     __slots__ = ()
 
-    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+    def set_kv(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         rows = self.views[layer_id][0]
         rows.index_copy_(0, loc, k.reshape(-1, 1, rows.shape[-1]).to(rows.dtype))
 
