@@ -19,7 +19,8 @@ from pathlib import Path
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases
 from helpers import guide_block, kit_run_problems, plugin_guide, subprocess_env
 
-#: The suite's engine cases: plain engine, tp_size=2, speculative chain (the guide's backend declares no tree mask).
+#: The suite's engine cases: plain engine, tp_size=2, speculative chain (the guide's backend declares neither tree
+#: masks nor non_causal, so the tree and DFLASH skip).
 ENGINE_CASES = 3
 
 

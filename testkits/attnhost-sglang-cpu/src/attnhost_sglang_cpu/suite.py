@@ -25,6 +25,13 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
 * a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
   tree when the backend declares tree masks: greedy ids equal HF's, with
   ``spec_verify_ct > 0``;
+* DFLASH with ``NAME`` as target and draft and SGLang's default DFlash draft
+  (a tiny random one, :mod:`.dflash_model`), whose block attention is
+  non-causal, for a draft-capable backend that declares ``non_causal`` (the
+  others skip with the reason): HF's greedy ids, ``spec_verify_ct > 0``, the
+  draft's runner built on ``NAME``, and every verify block equal to what a
+  float64 reading of the draft proposes, because a greedy target's ids never
+  depend on the draft, so only the proposals show a draft attended wrongly;
 * the same engine with tensor parallelism (``tp_size=2``, two CPU ranks): HF's
   greedy ids, the adapter on every rank, and the ranks' agreement check passed;
 * the attention variants (:mod:`.variant_models`): tiny Gemma 2 (soft-cap and
@@ -43,6 +50,7 @@ backend failing every case in screens of them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -61,9 +69,11 @@ load_plugins()
 from sglang.srt.arg_groups import choices  # noqa: E402
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS  # noqa: E402
 
+from attnhost_sglang_cpu import dflash_model as dm  # noqa: E402
 from attnhost_sglang_cpu import tiny_model as tm  # noqa: E402
 from attnhost_sglang_cpu import variant_models as vm  # noqa: E402
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases, run_case  # noqa: E402
+from attnhost_sglang_cpu.dflash_plugin import resolver_calls, verify_rows  # noqa: E402
 from attnhost_sglang_cpu.e2e import (  # noqa: E402
     ADAPTER,
     TinyModel,
@@ -135,6 +145,14 @@ def kit_draft(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyModel) ->
     return path
 
 
+@pytest.fixture(scope="session")
+def kit_dflash_draft(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyModel) -> Path:
+    """SGLang's default DFlash draft for the kit's Llama: one non-causal block-attention layer."""
+    path = tmp_path_factory.mktemp("attnhost-kit-dflash-draft")
+    dm.build_dflash_draft(path, kit_model.path, dm.DRAFT_KINDS["noncausal"])
+    return path
+
+
 def _short(check: Callable[[], None]) -> None:
     """Run one of the kit's numeric checks; its failure (a message naming backend, case and error) is shown alone."""
     message = _kit_failure(check)
@@ -176,6 +194,31 @@ def _same_ids(backend: str, case: str, result: dict[str, Any], model: TinyModel)
     problem = ids_mismatch(backend, case, result["output_ids"], model.hf_ids)
     if problem is not None:
         pytest.fail(problem, pytrace=False)
+
+
+def _speculated(
+    backend: str, case: str, result: dict[str, Any], model: TinyModel, probe: Path, modes: dict[str, set[str]]
+) -> list[dict[str, Any]]:
+    """A speculative run's shared oracles: HF's greedy ids, every prompt verified, and each role's model runner
+    running the forward *modes* named for it. Returns the probe's records for the case's own checks."""
+    _same_ids(backend, case, result, model)
+    unverified = [i for i, meta in enumerate(result["meta_info"]) if not meta.get("spec_verify_ct", 0) > 0]
+    if unverified:
+        pytest.fail(
+            f"backend {backend!r}, {case}: prompt(s) {unverified} were never verified (spec_verify_ct 0): the "
+            "engine did not decode speculatively",
+            pytrace=False,
+        )
+    records = read_probe(probe)
+    seen = speculative_summary(records)
+    for role, needed in modes.items():
+        if not needed <= seen["modes"][role]:
+            pytest.fail(
+                f"backend {backend!r}, {case}: the {role} model runner's backends ran "
+                f"{sorted(seen['modes'][role])}, not {sorted(needed)}",
+                pytrace=False,
+            )
+    return records
 
 
 class TestSGLangEngine:
@@ -275,22 +318,57 @@ class TestSGLangEngine:
         backend = sglang_name(attnhost_backend_name)
         case = f"speculative {'chain' if topk == 1 else 'tree'} (STANDALONE, topk {topk})"
         result, probe = _engine(kit_model, backend, case, tmp_path, **speculative_args(str(kit_draft), topk=topk))
-        _same_ids(backend, case, result, kit_model)
-        unverified = [i for i, meta in enumerate(result["meta_info"]) if not meta.get("spec_verify_ct", 0) > 0]
-        if unverified:
+        modes = {"target": {"EXTEND", "TARGET_VERIFY"}, "draft": {"DRAFT_EXTEND_V2", "DECODE"}}
+        _speculated(backend, case, result, kit_model, probe, modes)
+
+    def test_engine_dflash_greedy_ids_equal_hf(
+        self, attnhost_backend_name: str, kit_model: TinyModel, kit_dflash_draft: Path, tmp_path: Path
+    ) -> None:
+        if not getattr(_capabilities(attnhost_backend_name), "non_causal", False):
+            pytest.skip(
+                f"backend {attnhost_backend_name!r} does not declare non_causal (BackendCapabilities), which the "
+                "default DFlash draft's block attention needs"
+            )
+        if not _entry(attnhost_backend_name).draft:
+            pytest.skip(f"backend {attnhost_backend_name!r} is not draft-capable")
+        backend = sglang_name(attnhost_backend_name)
+        case = "DFLASH (non-causal DFlash draft, target and draft on the backend)"
+        args = speculative_args(
+            str(kit_dflash_draft),
+            algorithm="DFLASH",
+            num_steps=1,
+            num_draft_tokens=dm.BLOCK_SIZE,
+            draft_backend=backend,
+        )
+        result, probe = _engine(kit_model, backend, case, tmp_path, **args)
+        # a DFlash draft runs its block only (TARGET_VERIFY): its context K/V are written without attention
+        records = _speculated(
+            backend, case, result, kit_model, probe, {"target": {"EXTEND", "TARGET_VERIFY"}, "draft": {"TARGET_VERIFY"}}
+        )
+        drafts = [r for r in records if r["event"] == "runner" and r["is_draft_worker"]]
+        on = [
+            (r["backend_class"], r["prefill_attention_backend_str"], r["decode_attention_backend_str"]) for r in drafts
+        ]
+        resolved = [c["answer"] for c in resolver_calls(records)]
+        if on != [(ADAPTER, backend, backend)] or resolved != [backend]:
             pytest.fail(
-                f"backend {backend!r}, {case}: prompt(s) {unverified} were never verified (spec_verify_ct 0): the "
-                "engine did not decode speculatively",
+                f"backend {backend!r}, {case}: the draft did not run on it (draft runners' backend class and "
+                f"names {on}, SGLang's draft-backend resolver answered {resolved})",
                 pytrace=False,
             )
-        seen = speculative_summary(read_probe(probe))
-        for role, needed in (("target", {"EXTEND", "TARGET_VERIFY"}), ("draft", {"DRAFT_EXTEND_V2", "DECODE"})):
-            if not needed <= seen["modes"][role]:
-                pytest.fail(
-                    f"backend {backend!r}, {case}: the {role} model runner's backends ran "
-                    f"{sorted(seen['modes'][role])}, not {sorted(needed)}",
-                    pytrace=False,
-                )
+        ran = Counter((n, tuple(ids)) for n, ids in verify_rows(records))
+        rows = dm.reference_verify_rows(
+            kit_model.path, kit_dflash_draft, dm.DRAFT_KINDS["noncausal"], kit_model.prompts, kit_model.hf_ids
+        )
+        expected = Counter((n, tuple(ids)) for prompt in rows for n, ids in prompt)
+        if ran != expected:  # a batch interleaves its requests' rows: compared as multisets
+            pytest.fail(
+                f"backend {backend!r}, {case}: the draft proposed otherwise than its definition (float64): verify "
+                f"blocks (committed length, [bonus, proposals]) {sorted((ran - expected).elements())} ran where "
+                f"{sorted((expected - ran).elements())} were due: does the draft's block attend non-causally "
+                "(is_causal=False)?",
+                pytrace=False,
+            )
 
     @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
     def test_engine_variant_model_greedy_ids_equal_hf(
