@@ -203,7 +203,11 @@ class SGLangKVCache:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, physical=self._physical), k, v)
+        self._pool.set_kv_buffer(self._layers[layer_id], self._write_loc(loc), k, v)
+
+    def _write_loc(self, loc: torch.Tensor) -> KVWriteLoc:
+        """Where SGLang's pool writes slots ``loc`` (the full pool's own slots)."""
+        return KVWriteLoc(loc, physical=self._physical)
 
 
 class SGLangWindowKVCache(SGLangKVCache):
@@ -222,16 +226,9 @@ class SGLangWindowKVCache(SGLangKVCache):
         self._table = translated
         return translated
 
-    def set_kv(
-        self,
-        layer_id: int,
-        loc: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
-    ) -> None:
-        self._pool.set_kv_buffer(self._layers[layer_id], KVWriteLoc(loc, swa_loc=loc, physical=self._physical), k, v)
+    def _write_loc(self, loc: torch.Tensor) -> KVWriteLoc:
+        """The slots are already window-pool slots: SGLang's pool must not translate them again."""
+        return KVWriteLoc(loc, swa_loc=loc, physical=self._physical)
 
 
 class _Stamp:
