@@ -107,7 +107,9 @@ def test_a_quantized_latent_cache_is_refused_by_name() -> None:
     from sglang.test.kits.attention_unittest.attention_methods.mla_attention import build_mla_attention_fixture
 
     case = mla_cases("attnhost_torch_native")[0]
-    with pytest.raises(UnsupportedFeatureError, match=r"attnhost_torch_native.*quantized KV cache"):
+    with pytest.raises(
+        UnsupportedFeatureError, match=r"attnhost_torch_native.*FP8 latent KV cache.*--kv-cache-dtype auto"
+    ):
         build_mla_attention_fixture(KitCase(), case, device="cpu", dtype=torch.bfloat16, fp8_kv_cache=True)
 
 

@@ -33,6 +33,13 @@ is translated into the window pool once per batch: each backend then sees
 one KV cache whose ``req_to_token`` is right for every layer it is called
 for, as the contract has it.
 
+Cache formats (docs/kv-cache.md): the view reports SGLang's ``--page-size`` as its
+``page_size`` (SGLang's paged allocator keeps ``req_to_token`` a list of
+slots, page * size + offset, so ``ForwardBatch.page_table`` reads its pages)
+and an FP8 pool's float8 dtype (``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``),
+each layer's scales becoming the layer's ``k_scale`` / ``v_scale``; a backend
+that does not declare the format is refused when the adapter is built.
+
 An MLA model's runner gets the subclass in ``mla`` instead (the bridge
 picks it), and this class refuses one. What the attnhost contract cannot
 express — cross-attention, logit caps other than tanh, a V head dim
@@ -67,7 +74,7 @@ from attnhost.errors import (
     UnsupportedFeatureError,
     backend_failed,
 )
-from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, quantize_fp8
 from attnhost.forward_mode import ForwardMode
 
 if TYPE_CHECKING:
@@ -163,10 +170,7 @@ class SGLangKVCache:
     (``_table``, see :func:`slot_table`), not SGLang's ``req_to_token``.
     """
 
-    __slots__ = ("_layers", "_physical", "_pool", "_req_to_token_pool", "_table", "device")
-    page_size = 1
-    """Its ``req_to_token`` lists token slots; the engine's FP8 caches and scales are refused at start-up, so
-    ``set_kv`` writes a float cache, which ignores scales (docs/kv-cache.md)."""
+    __slots__ = ("_fp8", "_layers", "_physical", "_pool", "_req_to_token_pool", "_table", "device", "page_size")
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool: MHATokenToKVPool, device: torch.device) -> None:
         self._req_to_token_pool = req_to_token_pool
@@ -175,6 +179,11 @@ class SGLangKVCache:
         self._physical = False
         self._table: torch.Tensor | None = None
         self.device = device
+        # SGLang's paged allocator (--page-size) keeps req_to_token a list of slots, slot = page * size + offset,
+        # so the page size is all a backend needs to read pages (ForwardBatch.page_table)
+        self.page_size = int(getattr(token_to_kv_pool, "page_size", 1) or 1)
+        dtype = token_to_kv_pool.dtype
+        self._fp8: torch.dtype | None = dtype if dtype in FP8_DTYPES else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,6 +212,12 @@ class SGLangKVCache:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
+        """An FP8 cache gets the contract's write (``quantize_fp8``: divided and saturated, in fresh tensors), which
+        SGLang's pool then stores as it is; given the scales, SGLang would divide the caller's ``k`` and ``v`` in
+        place (which the backend may still read) and cast without saturating."""
+        fp8 = self._fp8
+        if fp8 is not None:
+            k, v = quantize_fp8(k, k_scale, fp8), quantize_fp8(v, v_scale, fp8)
         self._pool.set_kv_buffer(self._layers[layer_id], self._write_loc(loc), k, v)
 
     def _write_loc(self, loc: torch.Tensor) -> KVWriteLoc:
@@ -408,15 +423,37 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MHATokenToKVPool)")
         if getattr(pool, "use_hnd", False) or getattr(pool, "kv_cache_layout", None) not in (None, "NHD", "nhd"):
             raise self.refusal("a head-major (HND) KV-cache layout", "unset SGLANG_USE_HND_KVCACHE")
-        if getattr(pool, "is_quantized_kv_cache", False) or pool.store_dtype != pool.dtype:
-            raise self.refusal(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
+        if getattr(pool, "is_quantized_kv_cache", False):
+            raise self.refusal(
+                f"SGLang's block-quantized KV cache ({type(getattr(pool, 'quant_method', None)).__name__})",
+                "use --kv-cache-dtype auto, fp8_e4m3 or fp8_e5m2",
+            )
         if pool.v_head_dim != pool.head_dim:
             raise self.refusal(f"a V head dim ({pool.v_head_dim}) unlike the QK head dim ({pool.head_dim})")
-        kv_dtype = dtype_name(pool.dtype)
         model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
-        reason = self.capabilities.refusal(dtype=model_dtype, head_dim=pool.head_dim, kv_dtype=kv_dtype)
+        reason = self.capabilities.refusal(dtype=model_dtype, head_dim=pool.head_dim)
         if reason is not None:
-            raise self.refusal(reason, f"choose another --dtype, --kv-cache-dtype or {self.flag}")
+            raise self.refusal(reason, f"choose another --dtype or {self.flag}")
+        self._check_cache(pool)
+
+    def _check_cache(self, pool: Any) -> None:
+        """Refuse a cache format the backend does not declare (``BackendCapabilities.cache_refusal``): an FP8 one
+        (SGLang's ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``, stored through a ``uint8`` view) or a page size
+        (``--page-size``); any other stored form is no format of the contract."""
+        dtype, store = pool.dtype, getattr(pool, "store_dtype", pool.dtype)
+        if store != dtype and not (dtype in FP8_DTYPES and store == torch.uint8):
+            raise self.refusal(
+                f"a KV cache of dtype {dtype_name(dtype)} stored as {dtype_name(store)}", "use --kv-cache-dtype auto"
+            )
+        page_size = int(getattr(pool, "page_size", 1) or 1)
+        reason = self.capabilities.cache_refusal(kv_dtype=dtype_name(dtype), page_size=page_size)
+        if reason is not None:
+            raise self.refusal(
+                reason,
+                f"run SGLang with a --kv-cache-dtype and --page-size it declares (this cache: {dtype_name(dtype)} in "
+                f"pages of {page_size}), or choose with {self.flag} a backend that declares them (e.g. "
+                "attnhost_torch_native)",
+            )
 
     def _layer(self, layer: RadixAttention, has_sinks: bool = False, *, walked: bool = False) -> AttentionLayer:
         """The attnhost view of a layer, checked once: for every layer of the model when the adapter is built
@@ -435,11 +472,6 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             )
         if layer.qk_head_dim != layer.v_head_dim:
             raise self.refusal(f"a V head dim ({layer.v_head_dim}) unlike the QK head dim ({layer.qk_head_dim})")
-        if getattr(layer, "k_scale_float", None) not in (None, 1.0) or getattr(layer, "v_scale_float", None) not in (
-            None,
-            1.0,
-        ):
-            raise self.refusal(f"scaled (quantized) K/V (layer {layer.layer_id})")
         head_dim = layer.qk_head_dim
         reason = self.capabilities.refusal(dtype=dtype_name(self.data_type), head_dim=head_dim)
         if reason is not None:
@@ -455,6 +487,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             logit_cap=cap,
             has_sinks=has_sinks,
             is_causal=attn_type == "DECODER",
+            k_scale=self._scale(layer, "k"),
+            v_scale=self._scale(layer, "v"),
         )
         reason = None if walked else self.capabilities.layer_refusal(converted)
         if reason is not None:  # the start-up walk refuses these naming the model; a layer it did not find, here
@@ -463,6 +497,26 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         view = self._window_kv if layer.layer_id in self._window_ids and self._window_kv is not None else self._kv
         view._layers[layer.layer_id] = layer
         return converted
+
+    def _scale(self, layer: RadixAttention, which: str) -> float:
+        """The layer's K or V scale as a float (the contract's ``AttentionLayer.k_scale`` / ``v_scale``): SGLang's
+        ``k_scale_float`` once its weights are loaded, else its one-element ``k_scale``; none is 1.0. A float cache
+        ignores it; a per-head scale is no scale the contract knows, so it is refused."""
+        value = getattr(layer, f"{which}_scale_float", None)
+        if value is None:
+            scale = getattr(layer, f"{which}_scale", None)
+            if scale is None:
+                return 1.0
+            if isinstance(scale, torch.Tensor):
+                if scale.numel() != 1:
+                    raise self.refusal(
+                        f"a {which.upper()} scale of {scale.numel()} entries (layer {layer.layer_id}; the contract's "
+                        "scale is one per layer)",
+                        "use --kv-cache-dtype auto",
+                    )
+                return float(scale.item())
+            value = scale
+        return float(value)
 
     # -- per batch ------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from attnhost.backend import AttentionLayer, dtype_name
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend
+from attnhost.forward_batch import FP8_DTYPES
 from attnhost.mla import MLAConfig, MLAForm
 
 if TYPE_CHECKING:
@@ -54,8 +55,12 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
         if getattr(pool, "use_dsa", False):
             raise self.refusal("DeepSeek sparse attention (an MLA pool with use_dsa)")
-        if pool.store_dtype != pool.dtype:
-            raise self.refusal(f"a quantized KV cache ({dtype_name(pool.store_dtype)})", "use --kv-cache-dtype auto")
+        if pool.store_dtype != pool.dtype or pool.dtype in FP8_DTYPES:
+            raise self.refusal(
+                f"an FP8 latent KV cache ({dtype_name(pool.dtype)} stored as {dtype_name(pool.store_dtype)}) for the "
+                f"MLA model {_model_name(model_config, pool)}: attnhost's MLA latent cache stays float",
+                "run SGLang with --kv-cache-dtype auto",
+            )
         if pool.kv_cache_dim != pool.kv_lora_rank + pool.qk_rope_head_dim:
             raise self.refusal(f"a latent row of width {pool.kv_cache_dim} unlike kv_lora_rank + qk_rope_head_dim")
         rank, rope = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
@@ -66,11 +71,10 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             v_head_dim=int(getattr(model_config, "v_head_dim", None) or rank),
         )
         model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
-        reason = self.capabilities.refusal(
-            dtype=model_dtype, head_dim=self.mla.latent_dim, kv_dtype=dtype_name(pool.dtype), mla=True
-        )
+        reason = self.capabilities.refusal(dtype=model_dtype, head_dim=self.mla.latent_dim, mla=True)
         if reason is not None:
-            raise self.refusal(reason, f"choose another --dtype, --kv-cache-dtype or {self.flag}")
+            raise self.refusal(reason, f"choose another --dtype or {self.flag}")
+        self._check_cache(pool)
         self._mla_layers: dict[RadixAttention, AttentionLayer] = {}
 
     def _mla_layer(self, layer: RadixAttention, k: Tensor | None, save_kv_cache: bool) -> AttentionLayer:
@@ -85,8 +89,6 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             raise self.refusal(f"sliding-window attention (layer {lid})")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
             raise self.refusal(f"logit capping (layer {lid}, logit_cap={layer.logit_cap})")
-        if getattr(layer, "k_scale_float", None) not in (None, 1.0):
-            raise self.refusal(f"scaled (quantized) K/V (layer {lid})")
         heads = layer.tp_q_head_num
         got = (layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim)
         fits = [form for form in (MLAForm.ABSORBED, MLAForm.MHA) if self.mla.shape(form, heads) == got]
