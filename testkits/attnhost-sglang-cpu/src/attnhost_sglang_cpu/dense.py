@@ -17,13 +17,17 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import torch
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
     build_dense_attention_fixture,
     make_dense_cases,
     run_dense_attention_case,
 )
 
-__all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "failure_named", "run_case"]
+from attnhost.forward_batch import quantize_fp8
+
+__all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "failure_named", "fp8_fixture", "run_case"]
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,6 +82,56 @@ def run_case(case: Any, dtype: torch.dtype) -> None:
         run_dense_attention_case(KitCase(), case, device="cpu", dtype=dtype)
 
 
-def build_fixture(case: Any, dtype: torch.dtype = torch.float32) -> Any:
+def build_fixture(case: Any, dtype: torch.dtype = torch.float32, **options: Any) -> Any:
+    """The kit's fixture for *case* on the CPU; *options* are the kit's own (``max_context_len``, ``loc_layout``)."""
     with torch.no_grad():
-        return build_dense_attention_fixture(KitCase(), case, device="cpu", dtype=dtype)
+        return build_dense_attention_fixture(KitCase(), case, device="cpu", dtype=dtype, **options)
+
+
+#: SGLang's ``--kv-cache-dtype`` for each FP8 cache dtype.
+FP8_FLAGS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def fp8_fixture(
+    case: Any,
+    kv_dtype: torch.dtype,
+    *,
+    dtype: torch.dtype = torch.float32,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    backend: str | None = None,
+    **options: Any,
+) -> Any:
+    """SGLang's dense-kit fixture with the cache SGLang allocates for ``--kv-cache-dtype fp8_e4m3`` / ``fp8_e5m2``.
+
+    The kit builds only a cache of the model's dtype, so its pool is replaced by SGLang's own
+    ``MHATokenToKVPool`` of dtype *kv_dtype* (stored through ``uint8``) of the same geometry, holding the kit's
+    prefix as the contract's write leaves it (``quantize_fp8``; with scale 1 exactly SGLang's own cast for
+    values in range); the layer gets the scales as SGLang's weight loader sets them (``k_scale_float``), and
+    the backend (*backend*, default the case's) is built again by name over the new pool, as a runner builds
+    it after allocating its cache. *options* go to the kit (:func:`build_fixture`).
+    """
+    fixture = build_fixture(case, dtype, **options)
+    runner, old = fixture.runner, fixture.runner.token_to_kv_pool
+    pool = MHATokenToKVPool(
+        size=old.size,
+        page_size=old.page_size,
+        dtype=kv_dtype,
+        head_num=old.head_num,
+        head_dim=old.head_dim,
+        layer_num=old.layer_num,
+        device=str(old.device),
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+    for layer in range(old.layer_num):
+        for source, target, scale in ((old.k_buffer, pool.k_buffer, k_scale), (old.v_buffer, pool.v_buffer, v_scale)):
+            target[layer].copy_(quantize_fp8(source[layer], scale, kv_dtype).view(pool.store_dtype))
+    runner.token_to_kv_pool = pool
+    runner.kv_cache_dtype = kv_dtype
+    runner.kv_cache_dtype_str = FP8_FLAGS[kv_dtype]
+    fixture.forward_batch.token_to_kv_pool = pool
+    attn = fixture.actual_module.attn
+    attn.k_scale_float, attn.v_scale_float = float(k_scale), float(v_scale)
+    fixture.backend = ATTENTION_BACKENDS[backend or case.backend](runner)
+    return fixture

@@ -8,7 +8,8 @@ file and the test platform is selected. It uses SGLang's ``HookRegistry`` and
 changes no argument and no result:
 
 * AFTER ``ModelRunner.init_attention_backends``: a ``runner`` record (target
-  or draft, the backend class built, the backend-name stamps);
+  or draft, the backend class built, the backend-name stamps, the cache format
+  of SGLang's pool and of the view attnhost's adapter hands its backend);
 * AROUND ``ModelRunner.forward``: remembers which runner is running, so each
   backend record below says whether the target or the draft ran it;
 * AFTER ``forward`` of SGLang's ``AttentionBackend`` base (which every backend
@@ -106,6 +107,8 @@ def _after_init_attention_backends(result: object, runner: Any, *args: object, *
             "backend": id(backend),
             "backend_class": _qualified(backend),
             "kv_pool_class": _qualified(getattr(runner, "token_to_kv_pool", None)),
+            "kv_pool_format": _cache_format(getattr(runner, "token_to_kv_pool", None)),
+            "attnhost_kv_format": _cache_format(getattr(backend, "_kv", None)),
             "decode_backend_class": None if decode_backend is None else _qualified(decode_backend),
             "prefill_attention_backend_str": getattr(runner, "prefill_attention_backend_str", None),
             "decode_attention_backend_str": getattr(runner, "decode_attention_backend_str", None),
@@ -113,6 +116,13 @@ def _after_init_attention_backends(result: object, runner: Any, *args: object, *
             "backend_decode_str": getattr(backend, "decode_attention_backend_str", None),
         }
     )
+
+
+def _cache_format(cache: object) -> dict[str, Any] | None:
+    """A cache's dtype and page size (SGLang's pool, or the view attnhost's adapter hands its backend)."""
+    if cache is None or not hasattr(cache, "page_size"):
+        return None
+    return {"dtype": str(getattr(cache, "dtype", None)), "page_size": int(cache.page_size)}
 
 
 def _around_runner_forward(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
