@@ -11,6 +11,10 @@ the contract's ``k_buffer``/``v_buffer`` are the cache by slot, so a plain copy 
 heads (and a lone long request's context) on torch's intra-op threads, and returns a fresh output in ``q``'s layout
 and dtype (``flat_heads``: SGLang's ``[T, heads * head_dim]`` in, the same out). Softmax and sums are float32
 for every dtype.
+
+An FP8 cache is read as docs/kv-cache.md specifies, each entry ``stored.to(float32) * scale`` with the layer's
+``k_scale`` / ``v_scale``, and written through ``set_kv`` with them. With pages (``kv_pool.page_size > 1``) the
+plan copies ``forward_batch.page_table`` instead, and the kernel reads each page's slots as one run.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ def kernel_info() -> dict[str, str]:
 class CpuPagedAttnBackend(AttentionBackend):
     """Paged attention over a token-slot KV cache in one compiled call per layer (example plugin)."""
 
-    capabilities = BackendCapabilities(flat_heads=True, tree_mask=True)
+    capabilities = BackendCapabilities(
+        flat_heads=True,
+        tree_mask=True,
+        kv_cache_dtypes=("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"),
+        page_sizes=None,  # any: with pages it reads page_table, with token slots req_to_token
+    )
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
@@ -56,12 +65,18 @@ class CpuPagedAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """The kernel's plan of the batch: its metadata checked, and the slots it reads copied, once."""
         self._batch = None  # a refused batch leaves no plan behind
+        page_size = forward_batch.kv_pool.page_size
+        if page_size > 1:  # the pages, walked in runs of page_size slots
+            table, rows = forward_batch.page_table, list(range(forward_batch.batch_size))
+        else:
+            table, rows = forward_batch.kv_pool.req_to_token, forward_batch.req_pool_indices.tolist()
         self._plan = _kernel.plan(
-            forward_batch.kv_pool.req_to_token,
-            forward_batch.req_pool_indices.tolist(),
+            table,
+            rows,
             forward_batch.prefix_lens_cpu,
             forward_batch.extend_seq_lens_cpu,
             forward_batch.tree_mask,
+            page_size,
         )
         self._batch = forward_batch
 
@@ -90,8 +105,8 @@ class CpuPagedAttnBackend(AttentionBackend):
                 v = v.view(-1, layer.num_kv_heads, layer.head_dim)
             if k.dtype == keys.dtype and v.dtype == values.dtype:  # the kernel writes them (a plain copy)
                 new_k, new_v, loc = k, v, forward_batch.out_cache_loc
-            else:  # a conversion: the cache's own write
-                pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v)
+            else:  # a conversion (an FP8 cache quantises with the layer's scales): the cache's own write
+                pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
         out: Tensor = _kernel.attend(
             q,
             keys,
@@ -104,6 +119,8 @@ class CpuPagedAttnBackend(AttentionBackend):
             new_k,
             new_v,
             loc,
+            layer.k_scale,
+            layer.v_scale,
         )
         return out
 

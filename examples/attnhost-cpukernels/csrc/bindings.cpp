@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -50,6 +51,17 @@ DType dtype_of(const torch::Tensor& t, const char* what) {
   }
 }
 
+// A cache may also be FP8, read as stored.to(float32) * scale (docs/kv-cache.md).
+DType cache_dtype_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat8_e4m3fn: return DType::kFp8E4M3;
+    case at::kFloat8_e5m2: return DType::kFp8E5M2;
+    case at::kFloat: case at::kBFloat16: case at::kHalf: return dtype_of(t, "the KV cache");
+    default: TORCH_CHECK(false, "attnhost-cpukernels: the KV cache must be float32, bfloat16, float16, "
+                         "float8_e4m3fn or float8_e5m2, got ", t.scalar_type());
+  }
+}
+
 constexpr int64_t kMinChunk = 256;  // the fewest keys worth a split of one request's context
 
 // One batch's metadata, checked: the kernel's only source of slots and mask. It owns copies, not views, so
@@ -60,6 +72,7 @@ struct Plan {
   std::vector<int64_t> slots;  // each request's req_to_token entries [0, prefix + extend), in batch order
   std::vector<uint8_t> mask;  // the tree mask's blocks, 0 or 1
   bool has_mask = false;
+  int64_t page_size = 1;  // > 1: slots holds each request's pages (from page_table), not its token slots
   int64_t batch = 0, tokens = 0;
   int64_t max_slot = -1;  // the largest slot the batch reads: every K/V buffer must hold more slots than this
   int64_t max_request = -1, max_row = -1, max_pos = -1;  // where it is named, for the refusal
@@ -81,13 +94,18 @@ void copy_entries(const T* from, int64_t stride, int64_t count, int64_t* to, int
 
 // The batch as the kernel will run it: table rows, lengths and tree mask checked against each other and the
 // table; every entry it reads copied and checked to be a slot (>= 0), the largest recorded for attend().
+// With page_size > 1, table is the batch's page_table and each request's entries are its pages: one per
+// page_size tokens, each checked to be a page (>= 0), the largest page's last slot recorded.
 std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t>& rows,
                            const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
-                           const c10::optional<torch::Tensor>& tree_mask) {
+                           const c10::optional<torch::Tensor>& tree_mask, int64_t page_size) {
+  TORCH_CHECK(page_size >= 1, "attnhost-cpukernels: page_size must be >= 1, got ", page_size);
+  const bool paged = page_size > 1;
+  const char* table_name = paged ? "page_table" : "req_to_token";
   TORCH_CHECK(table.device().is_cpu() && (!tree_mask.has_value() || tree_mask->device().is_cpu()),
               "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
   TORCH_CHECK(table.dim() == 2 && (table.scalar_type() == at::kInt || table.scalar_type() == at::kLong),
-              "attnhost-cpukernels: req_to_token must be a 2-D int32 or int64 tensor, got ", table.scalar_type(),
+              "attnhost-cpukernels: ", table_name, " must be a 2-D int32 or int64 tensor, got ", table.scalar_type(),
               " ", table.sizes());
   const int64_t batch = static_cast<int64_t>(rows.size());
   TORCH_CHECK(static_cast<int64_t>(prefix.size()) == batch && static_cast<int64_t>(extend.size()) == batch,
@@ -98,18 +116,21 @@ std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t
   p->meta.resize(static_cast<size_t>(batch) * kMetaFields);
   const int64_t table_rows = table.size(0), width = table.size(1);
   int64_t entries = 0, cells = 0, tokens = 0;
+  auto entries_of = [&](int64_t seq) { return paged ? seq / page_size + (seq % page_size != 0) : seq; };
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t row = rows[r], pre = prefix[r], ext = extend[r];
-    TORCH_CHECK(row >= 0 && row < table_rows, "attnhost-cpukernels: request ", r, " of the batch names req_to_token row ",
+    TORCH_CHECK(row >= 0 && row < table_rows, "attnhost-cpukernels: request ", r, " of the batch names ", table_name, " row ",
                 row, ", outside the table's ", table_rows, " rows");
     TORCH_CHECK(pre >= 0 && ext >= 1, "attnhost-cpukernels: request ", r, " of the batch has prefix_len ", pre,
                 " and extend_len ", ext, "; they must be >= 0 and >= 1");
-    TORCH_CHECK(pre <= width - ext, "attnhost-cpukernels: request ", r, " of the batch reads ", pre, " + ", ext,
-                " positions of req_to_token row ", row, ", which has ", width, " columns");
+    TORCH_CHECK(pre <= INT64_MAX - ext && entries_of(pre + ext) <= width, "attnhost-cpukernels: request ", r,
+                " of the batch reads ", pre, " + ", ext, " positions ",
+                paged ? "(in pages of " + std::to_string(page_size) + " tokens) " : std::string(), "of ", table_name,
+                " row ", row, ", which has ", width, " columns");
     int64_t* m = p->meta.data() + r * kMetaFields;
     m[0] = entries, m[1] = pre, m[2] = ext, m[3] = tokens, m[4] = cells;
     int64_t square = 0;  // a table may be a view as wide as int64 allows (an expanded one owns no memory)
-    TORCH_CHECK(!__builtin_add_overflow(entries, pre + ext, &entries) && !__builtin_add_overflow(tokens, ext, &tokens) &&
+    TORCH_CHECK(!__builtin_add_overflow(entries, entries_of(pre + ext), &entries) && !__builtin_add_overflow(tokens, ext, &tokens) &&
                     !__builtin_mul_overflow(ext, ext, &square) && !__builtin_add_overflow(cells, square, &cells),
                 "attnhost-cpukernels: the batch's lengths overflow int64 at request ", r);
   }
@@ -118,7 +139,7 @@ std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t
   const bool int32 = table.scalar_type() == at::kInt;
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t* m = p->meta.data() + r * kMetaFields;
-    const int64_t row = rows[r], count = m[1] + m[2];
+    const int64_t row = rows[r], count = entries_of(m[1] + m[2]);
     int64_t lo = 0, hi = p->max_slot, hi_pos = -1;
     int64_t* to = p->slots.data() + m[0];
     if (int32)
@@ -127,12 +148,19 @@ std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t
       copy_entries(table.data_ptr<int64_t>() + row * table.stride(0), table.stride(1), count, to, &lo, &hi, &hi_pos);
     if (lo < 0) {
       const int64_t j = std::find_if(to, to + count, [](int64_t s) { return s < 0; }) - to;
-      TORCH_CHECK(false, "attnhost-cpukernels: req_to_token[", row, ", ", j, "] = ", to[j], " (request ", r,
-                  " of the batch, which reads its first ", count, " entries) is not a slot; the table must name a "
-                  "slot of the KV cache for every token the batch reads");
+      TORCH_CHECK(false, "attnhost-cpukernels: ", table_name, "[", row, ", ", j, "] = ", to[j], " (request ", r,
+                  " of the batch, which reads its first ", count, " entries) is not a ", paged ? "page" : "slot",
+                  "; the table must name a ", paged ? "page" : "slot", " of the KV cache for every token the batch "
+                  "reads");
     }
     if (hi_pos >= 0) p->max_slot = hi, p->max_request = r, p->max_row = row, p->max_pos = hi_pos;
   }
+  if (paged && p->max_slot >= 0) {  // a page's slots all: the buffers must hold the largest page whole
+    TORCH_CHECK(p->max_slot <= (INT64_MAX - page_size + 1) / page_size, "attnhost-cpukernels: ", table_name, "[",
+                p->max_row, ", ", p->max_pos, "] = ", p->max_slot, " is not a page of any KV cache");
+    p->max_slot = p->max_slot * page_size + page_size - 1;
+  }
+  p->page_size = page_size;
   if (tree_mask.has_value()) {
     const torch::Tensor& mask = *tree_mask;
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.size(0) == cells,
@@ -194,7 +222,7 @@ void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::T
 torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, const Plan& plan,
                      int64_t heads, int64_t kv_heads, int64_t dim, double scale,
                      const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
-                     const c10::optional<torch::Tensor>& loc) {
+                     const c10::optional<torch::Tensor>& loc, double k_scale, double v_scale) {
   TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
               "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
   const bool new_on_cpu = !new_k.has_value() || (new_k->is_cpu() && new_v->is_cpu() && loc->is_cpu());
@@ -216,11 +244,22 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attnhost-cpukernels: the K/V buffers' head_dim must be dense");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attnhost-cpukernels: K and V buffers differ in dtype");
   const int64_t slots = std::min(k.size(0), v.size(0));
-  TORCH_CHECK(plan.max_slot < slots, "attnhost-cpukernels: req_to_token[", plan.max_row, ", ", plan.max_pos,
-              "] = ", plan.max_slot, " (request ", plan.max_request, " of the batch) is not a slot of this layer's "
-              "K/V buffers (", slots, " slots); the table must name a slot of the KV cache for every token the "
-              "batch reads");
-  const DType q_dtype = dtype_of(q_in, "q"), kv_dtype = dtype_of(k, "the KV cache");
+  if (plan.page_size == 1) {
+    TORCH_CHECK(plan.max_slot < slots, "attnhost-cpukernels: req_to_token[", plan.max_row, ", ", plan.max_pos,
+                "] = ", plan.max_slot, " (request ", plan.max_request, " of the batch) is not a slot of this layer's "
+                "K/V buffers (", slots, " slots); the table must name a slot of the KV cache for every token the "
+                "batch reads");
+  } else {
+    TORCH_CHECK(plan.max_slot < slots, "attnhost-cpukernels: page_table[", plan.max_request, ", ", plan.max_pos,
+                "] = ", plan.max_slot / plan.page_size, " (request ", plan.max_request, " of the batch, pages of ",
+                plan.page_size, " tokens) is not a page of this layer's K/V buffers (", slots, " slots); the table "
+                "must name a page of the KV cache for every token the batch reads");
+  }
+  const DType q_dtype = dtype_of(q_in, "q"), kv_dtype = cache_dtype_of(k);
+  const bool fp8 = kv_dtype == DType::kFp8E4M3 || kv_dtype == DType::kFp8E5M2;
+  TORCH_CHECK(!fp8 || (std::isfinite(k_scale) && std::isfinite(v_scale) && k_scale > 0 && v_scale > 0),
+              "attnhost-cpukernels: an FP8 cache's k_scale and v_scale must be positive and finite, got ", k_scale,
+              " and ", v_scale, "; set the layer's scales");
   torch::Tensor q = q_in.stride(-1) == 1 ? q_in : q_in.contiguous();
   if (new_k.has_value()) write_new_kv(k, v, *new_k, *new_v, *loc);
   auto out = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -247,6 +286,9 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   p.kv_heads = static_cast<int>(kv_heads);
   p.dim = static_cast<int>(dim);
   p.scale = static_cast<float>(scale);
+  p.k_scale = fp8 ? static_cast<float>(k_scale) : 1.f;  // a float cache ignores the scales
+  p.v_scale = fp8 ? static_cast<float>(v_scale) : 1.f;
+  p.page_size = plan.page_size;
 
   const int64_t threads = at::get_num_threads();
   const int64_t group = heads / kv_heads;
@@ -259,6 +301,19 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   std::vector<Split> splits;
   int64_t partials = 0;
   const int64_t* m = p.meta;
+  // New tokens per extend unit: about 128 query rows, which share each K/V row read and each block's transposed
+  // keys; fewer (down to 32) while that leaves under four units per thread.
+  auto extend_units = [&](int64_t rows) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < batch; ++r) {
+      const int64_t extend = m[r * kMetaFields + 2], tokens = std::max<int64_t>(1, rows / group);
+      if (extend > 1) count += kv_heads * ((extend + tokens - 1) / tokens);
+    }
+    return count;
+  };
+  int64_t tile_rows = 128;
+  while (tile_rows > 32 && extend_units(tile_rows) < 4 * threads) tile_rows /= 2;
+  const int64_t tile = std::max<int64_t>(1, tile_rows / group);
   for (int64_t r = 0; r < batch; ++r) {
     const int64_t prefix = m[r * kMetaFields + 1], extend = m[r * kMetaFields + 2], seq = prefix + extend;
     if (extend == 1) {  // one new token: every key visible; the work is reading the context
@@ -280,7 +335,6 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
         units.push_back({r, static_cast<int32_t>(h), static_cast<int32_t>(h + per), 0, 1, 0, seq, -1});
       continue;
     }
-    const int64_t tile = std::max<int64_t>(1, 32 / group);  // new tokens per unit: about 32 query rows
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t t = 0; t < extend; t += tile) {
         const int64_t t1 = std::min(extend, t + tile);
@@ -357,12 +411,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
   m.def("plan", &cpukernels::plan, "check a batch's metadata once and copy the slots it reads",
         pybind11::arg("req_to_token"), pybind11::arg("req_pool_indices"), pybind11::arg("prefix_lens"),
-        pybind11::arg("extend_lens"), pybind11::arg("tree_mask") = pybind11::none());
+        pybind11::arg("extend_lens"), pybind11::arg("tree_mask") = pybind11::none(), pybind11::arg("page_size") = 1);
   m.def("attend", &cpukernels::attend, "attention of a batch's new tokens over the cache", pybind11::arg("q"),
         pybind11::arg("k_buffer"), pybind11::arg("v_buffer"), pybind11::arg("plan"), pybind11::arg("num_heads"),
         pybind11::arg("num_kv_heads"),
         pybind11::arg("head_dim"), pybind11::arg("scaling"), pybind11::arg("new_k") = pybind11::none(),
-        pybind11::arg("new_v") = pybind11::none(), pybind11::arg("loc") = pybind11::none());
+        pybind11::arg("new_v") = pybind11::none(), pybind11::arg("loc") = pybind11::none(),
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
   m.attr("isa") = cpukernels::kIsa.name;
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);

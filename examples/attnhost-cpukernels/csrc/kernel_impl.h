@@ -30,7 +30,8 @@ static inline __attribute__((always_inline)) vf load(const float* p) {
   return x;
 }
 static inline __attribute__((always_inline)) void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
-static inline __attribute__((always_inline)) vf splat(float x) { return vf{} + x; }
+// Every lane x: one broadcast (x - 0 is x for every x, so it folds away; x + 0 is not: -0.0 + 0 is +0.0).
+static inline __attribute__((always_inline)) vf splat(float x) { return x - vf{}; }
 // The sum of a vector's lanes by halving (log2(W) shuffles and adds, not W - 1 lane extractions).
 static inline __attribute__((always_inline)) float hsum(vf x) {
 #if CPUK_LANES == 16
@@ -130,13 +131,103 @@ static inline uint16_t float_to_fp16(float f) {
   return static_cast<uint16_t>(sign | half);
 }
 
+// An FP8 byte's value: e4m3fn (bias 7, no infinities, S.1111.111 is NaN) or e5m2 (bias 15, IEEE-like).
+static inline float fp8_to_float(uint8_t x, bool e4m3) {
+  const uint32_t sign = static_cast<uint32_t>(x & 0x80) << 24, em = x & 0x7f;
+  const int mbits = e4m3 ? 3 : 2;
+  const uint32_t e = em >> mbits, m = em & ((1u << mbits) - 1);
+  float f;
+  if (e4m3 && em == 0x7f) return std::numeric_limits<float>::quiet_NaN();
+  if (!e4m3 && e == 0x1f) {
+    uint32_t bits = sign | 0x7f800000u | (m << 21);
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  if (e == 0) {
+    f = std::ldexp(static_cast<float>(m), e4m3 ? -9 : -16);
+  } else {
+    uint32_t bits = (em << (23 - mbits)) + ((e4m3 ? 120u : 112u) << 23);
+    std::memcpy(&f, &bits, 4);
+  }
+  return sign ? -f : f;
+}
+
 static inline float to_float(const void* base, int64_t i, DType t) {
   switch (t) {
     case DType::kFloat32: return static_cast<const float*>(base)[i];
     case DType::kBFloat16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFloat16: return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::kFp8E4M3: return fp8_to_float(static_cast<const uint8_t*>(base)[i], true);
+    default: return fp8_to_float(static_cast<const uint8_t*>(base)[i], false);
   }
 }
+
+static inline int element_size(DType t) {
+  return t == DType::kFloat32 ? 4 : (t == DType::kFp8E4M3 || t == DType::kFp8E5M2) ? 1 : 2;
+}
+
+static inline __attribute__((always_inline)) vf as_float(vi x) {
+  vf f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
+
+// A small float format's bits (sign at bit sbit, `mbits` of mantissa, exponent bias `bias`) widened to float32,
+// W at a time: normals by moving the bits into place and re-biasing, subnormals as mantissa x 2^(1 - bias - mbits)
+// (no float denormal is formed, so a flush-to-zero mode cannot change the result), the all-ones exponent as
+// inf/NaN (or, for e4m3fn, only S.1111.111 as NaN).
+template <int SBIT, int MBITS, int BIAS, bool FN>
+static inline __attribute__((always_inline)) vf widen(vi x) {
+  const vi em = x & ((1 << SBIT) - 1);
+  const vi e = em >> MBITS;
+  const vf normal = as_float((em << (23 - MBITS)) + ((127 - BIAS) << 23));
+  const vf sub = __builtin_convertvector(em, vf) * splat(std::ldexp(1.0f, 1 - BIAS - MBITS));
+  vf f = e == 0 ? sub : normal;
+  const int top = (1 << (SBIT - MBITS)) - 1;  // the all-ones exponent
+  if (FN) {
+    f = em == (1 << SBIT) - 1 ? splat(std::numeric_limits<float>::quiet_NaN()) : f;
+  } else {
+    const vf special = as_float(((em & ((1 << MBITS) - 1)) << (23 - MBITS)) | 0x7f800000);
+    f = e == top ? special : f;
+  }
+  vi bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const vi negative = (x & (1 << SBIT)) != 0;  // -1 where the sign bit is set
+  return as_float(bits | (negative & std::numeric_limits<int32_t>::min()));
+}
+
+// One cache row of `dim` entries of dtype t as float32, times `scale` for FP8 (docs/kv-cache.md: the stored value
+// in float32, then the scale), W entries at a time where the row allows.
+static inline void widen_row(const void* src, DType t, float scale, float* dst, int dim) {
+  int d = 0;
+  if (t == DType::kFloat32) {
+    std::memcpy(dst, src, sizeof(float) * dim);
+    return;
+  }
+  if (t == DType::kFp8E4M3 || t == DType::kFp8E5M2) {
+    typedef uint8_t vb __attribute__((vector_size(W)));
+    const uint8_t* b = static_cast<const uint8_t*>(src);
+    const vf sv = splat(scale);
+    for (; d + W <= dim; d += W) {
+      vb raw;
+      std::memcpy(&raw, b + d, sizeof(raw));
+      const vi x = __builtin_convertvector(raw, vi);
+      store(dst + d, (t == DType::kFp8E4M3 ? widen<7, 3, 7, true>(x) : widen<7, 2, 15, false>(x)) * sv);
+    }
+    for (; d < dim; ++d) dst[d] = fp8_to_float(b[d], t == DType::kFp8E4M3) * scale;
+    return;
+  }
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  for (; d + W <= dim; d += W) {
+    vh raw;
+    std::memcpy(&raw, h + d, sizeof(raw));
+    const vi x = __builtin_convertvector(raw, vi);
+    store(dst + d, t == DType::kBFloat16 ? as_float(x << 16) : widen<15, 10, 15, false>(x));
+  }
+  for (; d < dim; ++d) dst[d] = t == DType::kBFloat16 ? bf16_to_float(h[d]) : fp16_to_float(h[d]);
+}
+
 
 static inline void from_float(void* base, int64_t i, float x, DType t) {
   switch (t) {
@@ -350,8 +441,120 @@ static inline __attribute__((always_inline)) void accumulate(float* acc, int64_t
   }
 }
 
+// The extend path: many query rows per KV head, so the block's work is two small matrix products, computed as
+// register tiles the way a GEMM does (each K/V vector loaded once for R rows, each broadcast query or score used
+// for two vectors, no horizontal sums). R = 6 rows x 2 vectors keeps twelve accumulators, enough to hide the FMA
+// latency, in the sixteen AVX2 registers with the two loaded vectors and a broadcast.
+constexpr int TR = 6;
+constexpr int kGemmRows = 16;  // query rows per KV head from which a block is worth transposing its keys
+
+// Scores of R rows against the block: s[r][j] = sum_d q[r][d] * kt[d][j] (kt: the block's keys transposed, KB
+// per row of kt, zero past the block's keys).
+template <int R>
+static inline __attribute__((always_inline)) void qk_tile(const float* q, int64_t ld, const float* kt, int dim,
+                                                          float* s) {
+  for (int c = 0; c < KB; c += 2 * W) {
+    vf a[R][2] = {};
+    for (int d = 0; d < dim; ++d) {
+      const vf x = load(kt + d * KB + c), y = load(kt + d * KB + c + W);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const vf b = splat(q[r * ld + d]);
+        a[r][0] += b * x;
+        a[r][1] += b * y;
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      store(s + r * KB + c, a[r][0]);
+      store(s + r * KB + c + W, a[r][1]);
+    }
+  }
+}
+
+// acc[r] += sum_j p[r][j] * v[j] for R rows, two vectors of the rows at a time; the rest of each row one vector
+// and then one entry at a time.
+template <int R>
+static inline __attribute__((always_inline)) void pv_tile(float* acc, int64_t ld, const float* p,
+                                                          const float* const* v, int n, int dim) {
+  const int dv = dim - dim % W;
+  int d = 0;
+  for (; d + 2 * W <= dv; d += 2 * W) {
+    vf a[R][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a[r][0] = load(acc + r * ld + d), a[r][1] = load(acc + r * ld + d + W);
+    for (int j = 0; j < n; ++j) {
+      const vf x = load(v[j] + d), y = load(v[j] + d + W);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const vf b = splat(p[r * KB + j]);
+        a[r][0] += b * x;
+        a[r][1] += b * y;
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) store(acc + r * ld + d, a[r][0]), store(acc + r * ld + d + W, a[r][1]);
+  }
+  for (; d < dv; d += W) {
+    vf a[R];
+    for (int r = 0; r < R; ++r) a[r] = load(acc + r * ld + d);
+    for (int j = 0; j < n; ++j) {
+      const vf x = load(v[j] + d);
+      for (int r = 0; r < R; ++r) a[r] += splat(p[r * KB + j]) * x;
+    }
+    for (int r = 0; r < R; ++r) store(acc + r * ld + d, a[r]);
+  }
+  for (d = dv; d < dim; ++d)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < n; ++j) acc[r * ld + d] += p[r * KB + j] * v[j][d];
+}
+
+// Both products over `rows` rows: whole tiles of TR rows, then one tile of the rest.
+static void qk_rows(const float* q, int64_t ld, int rows, const float* kt, int dim, float* s) {
+  int r = 0;
+  for (; r + TR <= rows; r += TR) qk_tile<TR>(q + r * ld, ld, kt, dim, s + r * KB);
+  switch (rows - r) {
+    case 5: qk_tile<5>(q + r * ld, ld, kt, dim, s + r * KB); break;
+    case 4: qk_tile<4>(q + r * ld, ld, kt, dim, s + r * KB); break;
+    case 3: qk_tile<3>(q + r * ld, ld, kt, dim, s + r * KB); break;
+    case 2: qk_tile<2>(q + r * ld, ld, kt, dim, s + r * KB); break;
+    case 1: qk_tile<1>(q + r * ld, ld, kt, dim, s + r * KB); break;
+    default: break;
+  }
+}
+
+static void pv_rows(float* acc, int64_t ld, int rows, const float* p, const float* const* v, int n, int dim) {
+  int r = 0;
+  for (; r + TR <= rows; r += TR) pv_tile<TR>(acc + r * ld, ld, p + r * KB, v, n, dim);
+  switch (rows - r) {
+    case 5: pv_tile<5>(acc + r * ld, ld, p + r * KB, v, n, dim); break;
+    case 4: pv_tile<4>(acc + r * ld, ld, p + r * KB, v, n, dim); break;
+    case 3: pv_tile<3>(acc + r * ld, ld, p + r * KB, v, n, dim); break;
+    case 2: pv_tile<2>(acc + r * ld, ld, p + r * KB, v, n, dim); break;
+    case 1: pv_tile<1>(acc + r * ld, ld, p + r * KB, v, n, dim); break;
+    default: break;
+  }
+}
+
+// The block's keys of one head transposed into kt ([dim][KB], zero past the n keys), widened from the cache's
+// dtype and scaled on the way: eight keys at a time through a row buffer, so each kt line is written whole.
+static inline void pack_keys(const Problem& p, const int64_t* slots, int64_t n, int h, float* kt, float* row,
+                             int dim) {
+  const int es = element_size(p.kv_dtype);
+  const char* base = static_cast<const char*>(p.k);
+  for (int64_t j0 = 0; j0 < KB; j0 += 8) {
+    const int64_t m = std::max<int64_t>(0, std::min<int64_t>(8, n - j0));
+    for (int64_t j = 0; j < m; ++j)
+      widen_row(base + (slots[j0 + j] * p.k_slot + h * p.k_head) * es, p.kv_dtype, p.k_scale, row + j * dim, dim);
+    for (int d = 0; d < dim; ++d) {
+      float* o = kt + d * KB + j0;
+      for (int64_t j = 0; j < 8; ++j) o[j] = j < m ? row[j * dim + d] : 0.f;
+    }
+  }
+}
+
 struct Scratch {
-  std::vector<float> q, acc, m, l, s, kf, vf;
+  std::vector<float> q, acc, m, l, s, kf, vf, kt, row;
 };
 
 void CPUK_UNIT(const Problem& p, const Unit& u) {
@@ -365,7 +568,8 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   const int64_t first_slot = meta[0], prefix = meta[1], extend = meta[2], q_first = meta[3], mask_off = meta[4];
   const bool tree = p.tree_mask != nullptr;
   const bool direct = p.kv_dtype == DType::kFloat32;
-  const int es = p.kv_dtype == DType::kFloat32 ? 4 : 2;
+  const int es = element_size(p.kv_dtype);
+  const bool gemm = rows_per_head >= kGemmRows;  // an extend's block: two matrix products (qk_rows, pv_rows)
 
   sc.q.assign(static_cast<size_t>(rows) * ld, 0.f);
   sc.acc.assign(static_cast<size_t>(rows) * ld, 0.f);
@@ -375,6 +579,10 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   if (!direct) {
     sc.kf.resize(static_cast<size_t>(KB) * ld);
     sc.vf.resize(static_cast<size_t>(KB) * ld);
+  }
+  if (gemm) {
+    sc.kt.resize(static_cast<size_t>(KB) * dim);
+    sc.row.resize(static_cast<size_t>(8) * dim);
   }
   // Row r = (head hl, token t, query head g of the group): queries converted and pre-scaled once.
   for (int hl = 0; hl < nh; ++hl)
@@ -394,9 +602,21 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   int64_t slots[KB], next[KB];
   const float* kp[KB];
   const float* vp[KB];
+  // The slots of keys [from, from + KB): a copy of token slots, or with pages the runs of consecutive slots in
+  // each page the block spans (page after page as the table lists them).
+  const int64_t page = p.page_size;
   auto fetch_slots = [&](int64_t from, int64_t* out) {
     const int64_t n = std::min<int64_t>(KB, u.k1 - from);
-    std::memcpy(out, p.slots + first_slot + from, sizeof(int64_t) * n);
+    if (page == 1) {
+      std::memcpy(out, p.slots + first_slot + from, sizeof(int64_t) * n);
+      return n;
+    }
+    const int64_t* pages = p.slots + first_slot;
+    for (int64_t j = 0, pos = from; j < n;) {
+      const int64_t off = pos % page, run = std::min(n - j, page - off), start = pages[pos / page] * page + off;
+      for (int64_t i = 0; i < run; ++i) out[j + i] = start + i;
+      j += run, pos += run;
+    }
     return n;
   };
   int64_t n_next = u.k0 < u.k1 ? fetch_slots(u.k0, next) : 0;
@@ -425,7 +645,24 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
     const int64_t pv_quota = quota * pv_weight;
     for (int hl = 0; hl < nh; ++hl) {
       const int h = u.h0 + hl;
-      if (direct) {
+      const int r0 = hl * rows_per_head;
+      float* s = sc.s.data() + static_cast<int64_t>(r0) * KB;
+      const float* q = sc.q.data() + r0 * ld;
+      if (gemm) {  // keys transposed (and widened), values in place or widened; the prefetches in two bursts
+        ahead.issue((ahead.rows + 2 * nh - 1) / (2 * nh));
+        pack_keys(p, slots, n, h, sc.kt.data(), sc.row.data(), dim);
+        for (int64_t j = 0; j < n; ++j) {
+          if (direct) {
+            vp[j] = static_cast<const float*>(p.v) + slots[j] * p.v_slot + h * p.v_head;
+          } else {
+            float* vd = sc.vf.data() + j * ld;
+            widen_row(vbase + (slots[j] * p.v_slot + h * p.v_head) * es, p.kv_dtype, p.v_scale, vd, dim);
+            vp[j] = vd;
+          }
+        }
+        qk_rows(q, ld, rows_per_head, sc.kt.data(), dim, s);
+        ahead.issue((ahead.rows + 2 * nh - 1) / (2 * nh));
+      } else if (direct) {
         for (int64_t j = 0; j < n; ++j) {
           kp[j] = static_cast<const float*>(p.k) + slots[j] * p.k_slot + h * p.k_head;
           vp[j] = static_cast<const float*>(p.v) + slots[j] * p.v_slot + h * p.v_head;
@@ -435,18 +672,13 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
           float* kd = sc.kf.data() + j * ld;
           float* vd = sc.vf.data() + j * ld;
           const int64_t ko = slots[j] * p.k_slot + h * p.k_head, vo = slots[j] * p.v_slot + h * p.v_head;
-          for (int d = 0; d < dim; ++d) {
-            kd[d] = to_float(p.k, ko + d, p.kv_dtype);
-            vd[d] = to_float(p.v, vo + d, p.kv_dtype);
-          }
+          widen_row(kbase + ko * es, p.kv_dtype, p.k_scale, kd, dim);
+          widen_row(vbase + vo * es, p.kv_dtype, p.v_scale, vd, dim);
           kp[j] = kd;
           vp[j] = vd;
         }
       }
-      const int r0 = hl * rows_per_head;
-      float* s = sc.s.data() + static_cast<int64_t>(r0) * KB;
-      const float* q = sc.q.data() + r0 * ld;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; !gemm && j < n; ++j) {
         ahead.issue(quota);
         if (j + 1 < n && rows_per_head >= 4) {
           dot_rows2(q, ld, rows_per_head, kp[j], kp[j + 1], dim, s + j, KB);
@@ -496,7 +728,10 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
           for (int64_t d = 0; d < ld; d += W) store(a + d, load(a + d) * av);
         }
       }
-      accumulate(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim, ahead, pv_quota);
+      if (gemm)
+        pv_rows(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim);
+      else
+        accumulate(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim, ahead, pv_quota);
     }
     ahead.issue(ahead.rows);  // whatever the steps left (the tails of odd row counts issue none)
   }

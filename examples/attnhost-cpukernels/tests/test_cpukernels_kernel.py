@@ -15,6 +15,7 @@ import torch
 from attnhost_cpukernels.backend import CpuPagedAttnBackend, kernel_info
 
 from attnhost import AttentionLayer, ForwardBatch, ForwardMode, KVPool
+from attnhost.forward_batch import quantize_fp8
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 Request = tuple[int, int, int]  # (table row, prefix_len, extend_len)
@@ -323,3 +324,99 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written() -> Non
     with pytest.raises(RuntimeError, match=r"out_cache_loc\[1\] = 256 is not a slot of this cache \(256 slots\)"):
         backend.forward(torch.randn(3, 4, 32, generator=gen), k, k, layer, batch)
     assert torch.equal(pool.k_buffer(0), before)
+
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _finite_fp8_bytes(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random FP8 bit patterns of every finite kind (subnormals, zeros of both signs, the largest values)."""
+    raw = torch.randint(0, 256, (n,), generator=gen, dtype=torch.int32)
+    special = (raw & 0x7F) == 0x7F if dtype == torch.float8_e4m3fn else (raw & 0x7C) == 0x7C  # NaN, inf
+    return torch.where(special, raw & 0x80, raw).to(torch.uint8)
+
+
+def _paged_batch(pool: KVPool, mode: ForwardMode, requests: Sequence[Request], gen: torch.Generator) -> ForwardBatch:
+    """Each request's pages drawn at random from the whole pool (no two requests share one), its prefix filled
+    with random finite FP8 bytes or random floats."""
+    size = pool.page_size
+    order = torch.randperm(pool.num_pages, generator=gen)
+    taken = 0
+    new = []
+    for row, prefix, extend in requests:
+        count = -(-(prefix + extend) // size)
+        pages = order[taken : taken + count]
+        taken += count
+        slots = (pages[:, None] * size + torch.arange(size)).flatten()[: prefix + extend]
+        pool.req_to_token[row, : prefix + extend] = slots
+        new.append(slots[prefix:])
+        for buffer in (pool.k_buffer(0), pool.v_buffer(0)):
+            shape = (prefix, *buffer.shape[1:])
+            if pool.is_fp8:
+                cells = _finite_fp8_bytes(prefix * shape[1] * shape[2], pool.dtype, gen).view(shape)
+                buffer.view(torch.uint8)[slots[:prefix]] = cells
+            else:
+                buffer[slots[:prefix]] = torch.randn(shape, generator=gen).to(pool.dtype)
+    return ForwardBatch.from_lists(pool, mode, requests, torch.cat(new))
+
+
+def _check_paged(batch: ForwardBatch, layer: AttentionLayer, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Against the float64 reference over the cache as the contract reads it (an FP8 entry: stored * scale), after
+    the write, whose bytes must be the contract's quantising write of the new K/V."""
+    pool = batch.kv_pool
+    assert isinstance(pool, KVPool)
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    n = batch.num_new_tokens
+    q = torch.randn(n, layer.num_heads, layer.head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, layer.num_kv_heads, layer.head_dim, generator=gen).to(dtype)
+    out = backend.forward(q, k, v, layer, batch)
+    loc = batch.out_cache_loc
+    if pool.is_fp8:
+        for buffer, new, scale in ((pool.k_buffer(0), k, layer.k_scale), (pool.v_buffer(0), v, layer.v_scale)):
+            written = buffer[loc].view(torch.uint8)
+            assert torch.equal(written, quantize_fp8(new, scale, pool.dtype).view(torch.uint8))
+    dequantised = StridedCache(
+        pool.num_slots, layer.num_kv_heads, layer.head_dim, pool.max_requests, 4096, torch.float64
+    )
+    scales = (layer.k_scale, layer.v_scale) if pool.is_fp8 else (1.0, 1.0)
+    dequantised.k_buffer(0).copy_(pool.k_buffer(0).to(torch.float64) * scales[0])
+    dequantised.v_buffer(0).copy_(pool.v_buffer(0).to(torch.float64) * scales[1])
+    dequantised.req_to_token = pool.req_to_token
+    expected = _reference(q, layer, dataclasses.replace(batch, kv_pool=dequantised))
+    error = (out.view_as(q).double() - expected).abs().max().item()
+    assert error <= ATOL[dtype], f"max abs error {error:.2e} ({kernel_info()})"
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("cache", ["e4m3", "e5m2", "bfloat16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 2, 128), (4, 4, 72)])
+def test_fp8_and_paged_caches(threads: int, page_size: int, cache: str, heads: int, kv_heads: int, dim: int) -> None:
+    """Pages in random order, prefixes ending inside a page, an extend long enough for the transposed-key path
+    and one too short for it, then decode; FP8 caches of random finite bytes (subnormals, the largest values)
+    read with the layer's scales, against the float64 reference over the dequantised cache."""
+    gen = torch.Generator().manual_seed(page_size + dim + len(cache))
+    kv_dtype = FP8.get(cache, torch.bfloat16)
+    layer = AttentionLayer(0, heads, kv_heads, dim, k_scale=1.5 / 448, v_scale=2.5 / 448)
+    if kv_dtype == torch.float8_e5m2:
+        layer = dataclasses.replace(layer, k_scale=1.5 / 57344, v_scale=2.5 / 57344)
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = KVPool(1, 8192, kv_heads, dim, max_requests=8, max_context_len=4096, dtype=kv_dtype, page_size=page_size)
+        extend = [(0, 0, 37), (3, 70, 1), (5, 123, 45), (6, 17, 3)]
+        _check_paged(_paged_batch(pool, ForwardMode.EXTEND, extend, gen), layer, dtype, gen)
+        decode = [(0, 77, 1), (2, 1, 1), (3, 600, 1), (6, 33, 1)]
+        _check_paged(_paged_batch(pool, ForwardMode.DECODE, decode, gen), layer, dtype, gen)
+
+
+def test_a_page_outside_the_cache_is_refused() -> None:
+    gen = torch.Generator().manual_seed(31)
+    layer = AttentionLayer(0, 4, 2, 32)
+    pool = KVPool(1, 256, 2, 32, max_requests=2, max_context_len=64, page_size=16)
+    batch = _paged_batch(pool, ForwardMode.EXTEND, [(0, 20, 3)], gen)
+    pool.req_to_token[0, 16:32] += 256  # the request's second page, a pool's worth past the last
+    backend = CpuPagedAttnBackend()
+    backend.init_forward_metadata(batch)
+    kv = torch.randn(3, 2, 32, generator=gen)
+    with pytest.raises(RuntimeError, match=r"page_table\[0, 1\] = \d+ .* is not a page of this layer's K/V buffers"):
+        backend.forward(torch.randn(3, 4, 32, generator=gen), kv, kv, layer, batch, save_kv_cache=False)
