@@ -9,8 +9,8 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   clash-free name), built by attnhost's adapter, in SGLang's draft choices
   exactly when draft-capable, and SGLang's own implementation of a clashing
   name kept;
-* SGLang's own dense attention kit, every case, in each dtype the backend
-  declares (the others skip with the reason), each case also held to
+* SGLang's own dense attention kit, every case, in each dtype and page size
+  the backend declares (the others skip with the reason), each case also held to
   attnhost's float64 reference at the conformance kit's tolerance for the
   dtype (:mod:`attnhost_sglang_cpu.reference_check`: SGLang's ``3e-2`` lets a
   1 % error through), and its speculative verify kit
@@ -21,10 +21,13 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
   in each declared dtype, for a backend that declares ``mla`` (the others
   skip with the reason);
 * a real ``sglang.Engine`` on a tiny locally made Llama, ``NAME`` as the
-  attention backend, whose greedy ids must equal HF transformers';
-* a speculative chain (STANDALONE) with ``NAME`` as target and draft, and a
-  tree when the backend declares tree masks: greedy ids equal HF's, with
-  ``spec_verify_ct > 0``;
+  attention backend, whose greedy ids must equal HF transformers'; and the
+  same with ``--page-size 16`` on prompts whose pages end part filled (a
+  first and a prefix-cached pass), for a backend that declares page 16
+  (``BackendCapabilities.page_sizes``; the others skip, naming it);
+* a speculative chain (STANDALONE) with ``NAME`` as target and draft, also
+  in pages of 16 (as above), and a tree when the backend declares tree masks:
+  greedy ids equal HF's, with ``spec_verify_ct > 0``;
 * DFLASH with ``NAME`` as target and draft and SGLang's default DFlash draft
   (a tiny random one, :mod:`.dflash_model`), whose block attention is
   non-causal, for a draft-capable backend that declares ``non_causal`` (the
@@ -101,6 +104,9 @@ BRIDGE = "attnhost.engines.sglang.bridge"
 RANK_CPUS = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
 N_DENSE = len(dense_cases("any"))
 N_MLA = len(mla_cases("any"))
+#: The page size of the paged engine runs (SGLang's --page-size), and prompt lengths whose last page it part fills.
+PAGE = 16
+PAGED_LENGTHS = (27, 45)
 
 
 def _entry(name: str) -> Any:
@@ -151,6 +157,24 @@ def kit_dflash_draft(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyMo
     path = tmp_path_factory.mktemp("attnhost-kit-dflash-draft")
     dm.build_dflash_draft(path, kit_model.path, dm.DRAFT_KINDS["noncausal"])
     return path
+
+
+@pytest.fixture(scope="session")
+def kit_paged_model(kit_model: TinyModel) -> TinyModel:
+    """The kit's Llama with prompts of several pages (its own, repeated) and HF's greedy ids for them."""
+    prompts = [(kit_model.prompts[i % len(kit_model.prompts)] * 64)[:n] for i, n in enumerate(PAGED_LENGTHS)]
+    return TinyModel(kit_model.path, prompts, tm.hf_greedy(kit_model.path, prompts, NEW_TOKENS))
+
+
+def _skip_unless_page(name: str, page: int) -> None:
+    """Skip, naming the backend and the size, a case in pages the backend does not declare (the adapter would
+    refuse it when the runner builds it)."""
+    declared = _capabilities(name).page_sizes
+    if declared is not None and page not in declared:
+        pytest.skip(
+            f"backend {name!r} does not declare KV-cache page size {page} (BackendCapabilities.page_sizes = "
+            f"{declared}; SGLang's --page-size {page})"
+        )
 
 
 def _short(check: Callable[[], None]) -> None:
@@ -252,6 +276,7 @@ class TestSGLangEngine:
         if dtype_name not in declared:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {declared})")
         case = dense_cases(sglang_name(attnhost_backend_name))[case_index]
+        _skip_unless_page(attnhost_backend_name, case.page_size)
         sglang_failure = _kit_failure(lambda: run_case(case, dtype))  # SGLang's own check first: users know it
         problem = reference_problem(case, dtype, attnhost_backend_name)
         if sglang_failure is not None:  # with the mistake the output matches, when one does
@@ -297,6 +322,29 @@ class TestSGLangEngine:
         built = {r["backend_class"] for r in read_probe(probe) if r["event"] == "runner"}
         assert built == {ADAPTER}, f"the model runner built {built}, not attnhost's adapter"
 
+    def test_engine_paged_greedy_ids_equal_hf(
+        self, attnhost_backend_name: str, kit_paged_model: TinyModel, tmp_path: Path
+    ) -> None:
+        _skip_unless_page(attnhost_backend_name, PAGE)
+        backend = sglang_name(attnhost_backend_name)
+        case = f"engine greedy ids (--page-size {PAGE})"
+        runs = run_engines(
+            kit_paged_model.path,
+            kit_paged_model.prompts,
+            NEW_TOKENS,
+            [{"backend": backend, "passes": 2, "engine_args": {"page_size": PAGE}}],
+            tmp_path,
+        )
+        result = runs.results[backend]
+        if "error" in result:
+            pytest.fail(engine_failure(backend, case, result["error"]), pytrace=False)
+        _same_ids(backend, case, result, kit_paged_model)
+        _same_ids(backend, f"{case}, prefix-cached pass", result["later_passes"][0], kit_paged_model)
+        seen = [r["attnhost_kv_format"] for r in read_probe(runs.probes[backend]) if r["event"] == "runner"]
+        assert seen and all(f is not None and f["page_size"] == PAGE for f in seen), (
+            f"attnhost's backend saw caches {seen}, not pages of {PAGE}"
+        )
+
     def test_tensor_parallel_greedy_ids_equal_hf(
         self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path
     ) -> None:
@@ -307,17 +355,28 @@ class TestSGLangEngine:
         ranks = {r["pid"] for r in read_probe(probe) if r["event"] == "runner" and r["backend_class"] == ADAPTER}
         assert len(ranks) == 2, f"attnhost's adapter ran in {len(ranks)} rank process(es), not 2"
 
-    @pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+    @pytest.mark.parametrize(("topk", "page"), [(1, 1), (2, 1), (1, PAGE)], ids=["chain", "tree", "chain-page16"])
     def test_speculative_ids_equal_hf(
-        self, attnhost_backend_name: str, topk: int, kit_model: TinyModel, kit_draft: Path, tmp_path: Path
+        self,
+        attnhost_backend_name: str,
+        topk: int,
+        page: int,
+        kit_model: TinyModel,
+        kit_paged_model: TinyModel,
+        kit_draft: Path,
+        tmp_path: Path,
     ) -> None:
         if topk > 1 and not getattr(_capabilities(attnhost_backend_name), "tree_mask", False):
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
         if not _entry(attnhost_backend_name).draft:
             pytest.skip(f"backend {attnhost_backend_name!r} is not draft-capable")
+        _skip_unless_page(attnhost_backend_name, page)
         backend = sglang_name(attnhost_backend_name)
         case = f"speculative {'chain' if topk == 1 else 'tree'} (STANDALONE, topk {topk})"
-        result, probe = _engine(kit_model, backend, case, tmp_path, **speculative_args(str(kit_draft), topk=topk))
+        args = speculative_args(str(kit_draft), topk=topk)
+        if page > 1:
+            case, args, kit_model = f"{case[:-1]}, --page-size {page})", {**args, "page_size": page}, kit_paged_model
+        result, probe = _engine(kit_model, backend, case, tmp_path, **args)
         modes = {"target": {"EXTEND", "TARGET_VERIFY"}, "draft": {"DRAFT_EXTEND_V2", "DECODE"}}
         _speculated(backend, case, result, kit_model, probe, modes)
 
