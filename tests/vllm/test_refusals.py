@@ -2,7 +2,7 @@
 
 Three places, all vLLM's own: ``validate_configuration`` when vLLM selects
 the backend for a layer, the impl's constructor (per layer: ALiBi,
-encoder/cross attention, KV sharing, fp8 KV), and the builder (per KV-cache
+encoder/cross attention, KV sharing, quantized caches other than FP8), and the builder (per KV-cache
 group: MLA and cross-attention specs, quantized caches) — plus the layout
 check on the first forward. The attention variants a backend may declare
 (sliding windows, soft-caps, sinks, non-causal batches) are served or
@@ -65,8 +65,8 @@ def assert_names_backend_and(feature: str, exc: BaseException) -> None:
         ({"attn_type": AttentionType.ENCODER_ONLY}, "encoder_only attention"),
         ({"attn_type": AttentionType.ENCODER}, "encoder attention"),
         ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "KV-cache sharing"),
-        ({"kv_cache_dtype": "fp8"}, "quantized KV cache"),
-        ({"kv_cache_dtype": "fp8_e5m2"}, "quantized KV cache"),
+        ({"kv_cache_dtype": "int8_per_token_head"}, "quantized KV cache"),
+        ({"kv_cache_dtype": "fp8_per_token_head"}, "quantized KV cache"),
     ],
 )
 def test_impl_refuses(overrides: dict[str, object], feature: str) -> None:
@@ -132,7 +132,7 @@ def test_selection_accepts_what_the_backend_declares() -> None:
     ("overrides", "feature"),
     [
         ({"use_mla": True}, "MLA not supported"),
-        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype not supported"),
+        ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype not supported"),
         ({"attn_type": AttentionType.ENCODER_DECODER}, "attention type"),
         ({"use_mm_prefix": True}, "multimodal"),
         ({"use_adaptive_verification": True}, "adaptive verification"),

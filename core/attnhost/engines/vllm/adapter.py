@@ -36,6 +36,7 @@ and again when a layer or batch asks for it. Never a wrong number.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -83,7 +84,7 @@ from attnhost.errors import (
     backend_failed,
     plugin_label,
 )
-from attnhost.forward_batch import ForwardBatch
+from attnhost.forward_batch import ForwardBatch, quantize_fp8
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host
 
@@ -106,6 +107,10 @@ KV_LAYOUT = KVCacheLayout.LBNHC
 
 _VLLM_KV_DTYPES = ("float16", "bfloat16")
 """Dtype names vLLM's ``--kv-cache-dtype`` accepts besides ``auto`` that an attnhost backend may declare."""
+
+VLLM_FP8_KV_DTYPES: dict[str, str] = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+"""vLLM's ``--kv-cache-dtype`` names of per-tensor-scaled FP8 caches, and the attnhost dtype each stores (vLLM
+allocates them as ``uint8``; ``fp8`` means e4m3). vLLM's other quantized caches have no attnhost contract."""
 
 _layer_ids = itertools.count()
 """attnhost layer ids: one per vLLM attention layer (impl) in this process, so KV views never mix."""
@@ -157,10 +162,7 @@ class VLLMKVCache:
     on its first forward, and again only if vLLM hands it another tensor.
     """
 
-    __slots__ = ("device", "dtype", "req_to_token", "views")
-    page_size = 1
-    """Its ``req_to_token`` lists token slots; the engine's FP8 caches and scales are refused at start-up, so
-    ``set_kv`` writes a float cache, which ignores scales (docs/kv-cache.md)."""
+    __slots__ = ("device", "dtype", "page_size", "req_to_token", "views")
 
     def __init__(
         self,
@@ -168,11 +170,16 @@ class VLLMKVCache:
         dtype: torch.dtype,
         req_to_token: torch.Tensor,
         views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        page_size: int = 1,
     ) -> None:
         self.device = device
         self.dtype = dtype
+        """The cache's dtype: the model's, or with an FP8 ``--kv-cache-dtype`` the float8 dtype vLLM's ``uint8``
+        tensor stores (the views are of that dtype)."""
         self.req_to_token = req_to_token
         self.views = views
+        self.page_size = page_size
+        """vLLM's (kernel) block size: slot ``block * page_size + offset`` is vLLM's ``slot_mapping`` numbering."""
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
         return self.views[layer_id][0]
@@ -191,6 +198,10 @@ class VLLMKVCache:
     ) -> None:
         # index_copy_ writes through the strided views into vLLM's tensor (see KVPool.set_kv for why not k[loc] = ...)
         k_view, v_view, _ = self.views[layer_id]
+        if k_view.dtype.itemsize == 1:  # FP8: the contract's quantising write, through a byte view (no FP8 kernel)
+            k_view.view(torch.uint8).index_copy_(0, loc, quantize_fp8(k, k_scale, k_view.dtype).view(torch.uint8))
+            v_view.view(torch.uint8).index_copy_(0, loc, quantize_fp8(v, v_scale, v_view.dtype).view(torch.uint8))
+            return
         k_view.index_copy_(0, loc, k.to(k_view.dtype))
         v_view.index_copy_(0, loc, v.to(v_view.dtype))
 
@@ -223,9 +234,11 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
     forward_includes_kv_cache_update: bool = True  # the attnhost backend writes new K/V itself (set_kv)
     supports_kv_cache_update_bypass: bool = False
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        """The declared ``BackendCapabilities.page_sizes`` (vLLM then splits larger blocks into them), else any."""
+        pages = cls.identity.capabilities.page_sizes
+        return [MultipleOf(1)] if pages is None else list(pages)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -262,7 +275,14 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
         reasons: list[str] = list(super().validate_configuration(*args, **kwargs))
         if kwargs.get("has_sliding_window") and kwargs.get("use_non_causal") and cls.supports_non_causal():
             reasons.append(WINDOWED_NON_CAUSAL)
-        return [f"{cls.identity.where}: {cls.identity.explain(reason)}" for reason in reasons]
+        capabilities = cls.identity.capabilities
+        cache = {
+            "kv_cache_dtype not supported": capabilities.cache_refusal(
+                kv_dtype=VLLM_FP8_KV_DTYPES.get(str(kwargs.get("kv_cache_dtype")))
+            ),
+            "block_size not supported": capabilities.cache_refusal(page_size=kwargs.get("block_size")),
+        }
+        return [f"{cls.identity.where}: {cache.get(reason) or cls.identity.explain(reason)}" for reason in reasons]
 
 
 class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]):  # type: ignore[misc]
@@ -284,7 +304,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.check_spec(kv_cache_spec)
         self.block_size: int = kv_cache_spec.block_size
-        self.dtype: torch.dtype = kv_cache_spec.dtype
+        self.dtype: torch.dtype = _cache_dtype(self.identity, kv_cache_spec, vllm_config)
         self.device = torch.device(device)
         self._windowed = getattr(kv_cache_spec, "sliding_window", None) is not None
         self._is_draft = serves_draft(kv_cache_spec, layer_names, vllm_config)
@@ -351,9 +371,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             mode = ForwardMode.DECODE
         else:
             mode = ForwardMode.MIXED if min(query_lens) == 1 else ForwardMode.EXTEND
-        kv = VLLMKVCache(
-            self.device, self.dtype, self._req_to_token(m.block_table_tensor, num_reqs, seq_cpu), self.views
-        )
+        pages = self._page_table(m.block_table_tensor, num_reqs, seq_cpu)
+        kv = VLLMKVCache(self.device, self.dtype, self._req_to_token(pages), self.views, self.block_size)
         batch = ForwardBatch(
             forward_mode=mode,
             kv_pool=kv,
@@ -366,6 +385,9 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=tuple(query_lens),
         )
+        # the batch's page_table (ForwardBatch builds it lazily from req_to_token) is vLLM's own block table: the
+        # same numbers, without the rebuild; slot = block * block_size + offset in both
+        vars(batch)["page_table"] = pages
         try:
             self.attnhost_backend.init_forward_metadata(batch)
         except (Exception, SystemExit) as exc:
@@ -373,14 +395,18 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         written = _slotted_rows(batch.out_cache_loc)
         return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, written, m.causal is True)
 
-    def _req_to_token(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
-        """``block_table`` at token level: entry ``[r, p]`` is the slot of token ``p`` of request ``r``."""
+    def _page_table(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
+        """vLLM's ``block_table`` as attnhost's ``page_table``: ``[num_reqs, blocks of the longest request]`` int64."""
+        blocks = -(-max(seq_lens) // self.block_size)
+        return block_table[:num_reqs, :blocks].to(torch.int64)
+
+    def _req_to_token(self, pages: torch.Tensor) -> torch.Tensor:
+        """The page table at token level: entry ``[r, p]`` is the slot of token ``p`` of request ``r``."""
         bs = self.block_size
-        blocks = -(-max(seq_lens) // bs)
-        table = block_table[:num_reqs, :blocks].to(torch.int64)
         if bs == 1:
-            return table
-        return (table.unsqueeze(-1) * bs + self._offsets).view(num_reqs, blocks * bs)
+            return pages
+        num_reqs, blocks = pages.shape
+        return (pages.unsqueeze(-1) * bs + self._offsets).view(num_reqs, blocks * bs)
 
     def _request_rows(self, num_reqs: int) -> torch.Tensor:
         if self._rows.numel() < num_reqs:
@@ -443,6 +469,7 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             extra_impl_args,
             "attention",
         )
+        self.fp8_dtype: torch.dtype | None = _fp8_dtype(self.identity, kv_cache_dtype)
         head_dims = self.identity.capabilities.head_dims
         if head_dims and head_size not in head_dims:
             raise refuse(f"head size {head_size} (it supports {', '.join(map(str, head_dims))})")
@@ -486,6 +513,8 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             return output
         if key is None or value is None:
             raise self.identity.refuse("K/V written by a fused op before attention (the KV-cache update bypass)")
+        if self.fp8_dtype is not None and layer is not None:  # vLLM sets a layer's scales when it loads weights
+            self._take_scales(layer)
         attn_layer = self.layer if attn_metadata.causal else self.variants.bidirectional
         if attn_layer is None:
             raise non_causal_refusal(self.identity, self.variants)
@@ -496,7 +525,14 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         written = attn_metadata.written
         if written is not None:  # rows without a slot (-1): the others are written here, the backend writes none
             rows, slots = written
-            kv.set_kv(attn_layer.layer_id, slots, key.index_select(0, rows), value.index_select(0, rows))
+            kv.set_kv(
+                attn_layer.layer_id,
+                slots,
+                key.index_select(0, rows),
+                value.index_select(0, rows),
+                k_scale=attn_layer.k_scale,
+                v_scale=attn_layer.v_scale,
+            )
         try:  # free when nothing raises; a plugin's exception gets the one line naming it
             out = attn_metadata.backend.forward(
                 query[:n], key[:n], value[:n], attn_layer, batch, written is None, sinks=self.sinks
@@ -506,21 +542,46 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
         return output
 
+    def _take_scales(self, layer: Any) -> None:
+        """The vLLM layer's ``_k_scale_float`` / ``_v_scale_float`` into the attnhost layers, when they changed
+        (vLLM sets them after the impl is built, from the checkpoint or to 1.0): two float reads per forward."""
+        k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
+        if k_scale == self.layer.k_scale and v_scale == self.layer.v_scale:
+            return
+        variants = self.variants
+        twin = variants.bidirectional
+        self.variants = dataclasses.replace(
+            variants,
+            layer=dataclasses.replace(variants.layer, k_scale=k_scale, v_scale=v_scale),
+            bidirectional=None if twin is None else dataclasses.replace(twin, k_scale=k_scale, v_scale=v_scale),
+        )
+        self.layer = self.variants.layer
+
     def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Zero-copy ``[num_slots, kv_heads, head_size]`` K and V views of one layer's vLLM cache, checked."""
+        """Zero-copy ``[num_slots, kv_heads, head_size]`` K and V views of one layer's vLLM cache, checked; an FP8
+        cache (``uint8`` in vLLM) is viewed as its float8 dtype."""
         heads, dim = self.num_kv_heads, self.head_size
         if kv_cache.dim() != 4 or kv_cache.shape[1] != heads or kv_cache.shape[3] != 2 * dim:
             raise self.identity.refuse(
                 f"a KV cache of shape {tuple(kv_cache.shape)} (it reads vLLM's "
                 f"[blocks, {heads} kv_heads, block_size, {2 * dim}] cache with K and V on the last axis)"
             )
-        if is_quantized_kv_cache(self.kv_cache_dtype) or not kv_cache.dtype.is_floating_point:
+        cache = kv_cache
+        if self.fp8_dtype is not None:
+            if kv_cache.dtype not in (torch.uint8, self.fp8_dtype):
+                raise self.identity.refuse(
+                    f"an FP8 KV cache (--kv-cache-dtype {self.kv_cache_dtype}) held in a {dtype_name(kv_cache.dtype)} "
+                    "tensor (vLLM allocates FP8 caches as uint8)"
+                )
+            cache = kv_cache.view(self.fp8_dtype)
+        elif is_quantized_kv_cache(self.kv_cache_dtype) or not kv_cache.dtype.is_floating_point:
             raise self.identity.refuse(f"a KV cache of dtype {dtype_name(kv_cache.dtype)}")
-        reason = self.identity.capabilities.refusal(dtype=dtype_name(kv_cache.dtype), head_dim=dim)
-        if reason is not None:
-            raise self.identity.refuse(reason, "choose another --dtype or --attention-backend")
+        else:
+            reason = self.identity.capabilities.refusal(dtype=dtype_name(kv_cache.dtype), head_dim=dim)
+            if reason is not None:
+                raise self.identity.refuse(reason, "choose another --dtype or --attention-backend")
         try:
-            flat = kv_cache.transpose(1, 2).view(-1, heads, 2 * dim)
+            flat = cache.transpose(1, 2).view(-1, heads, 2 * dim)
         except RuntimeError:
             raise self.identity.refuse(
                 f"this KV-cache layout (strides {tuple(kv_cache.stride())}): it reads the {KV_LAYOUT.name} "
@@ -528,6 +589,46 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
                 f"set VLLM_KV_CACHE_LAYOUT={KV_LAYOUT.name} or pair it with backends that accept {KV_LAYOUT.name}",
             ) from None
         return flat[..., :dim], flat[..., dim:], kv_cache
+
+
+def _fp8_dtype(identity: _Identity, kv_cache_dtype: str) -> torch.dtype | None:
+    """The float8 dtype an FP8 ``--kv-cache-dtype`` stores, refused by name where the backend does not read it;
+    ``None`` for a float cache."""
+    name = VLLM_FP8_KV_DTYPES.get(kv_cache_dtype)
+    if name is None:
+        return None
+    reason = identity.capabilities.cache_refusal(kv_dtype=name)
+    if reason is not None:
+        raise identity.refuse(
+            f"{reason}, asked by vLLM as --kv-cache-dtype {kv_cache_dtype}",
+            "use --kv-cache-dtype auto or choose another --attention-backend (e.g. torch_native)",
+        )
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def _cache_dtype(identity: _Identity, spec: Any, vllm_config: Any) -> torch.dtype:
+    """The dtype of a KV-cache group's entries: the spec's, or with an FP8 cache (``uint8`` in the spec; which
+    format is the cache config's ``cache_dtype``) its float8 dtype, refused by name where the backend does not
+    read it. The block size is checked here too: vLLM's selector may be bypassed, and it never sees a kernel
+    block size."""
+    page = identity.capabilities.cache_refusal(page_size=spec.block_size)
+    if page is not None:
+        sizes = identity.capabilities.page_sizes or ()
+        raise identity.refuse(
+            f"{page}, asked by vLLM as --block-size {spec.block_size}",
+            f"run vLLM with --block-size {sizes[0]} (or a multiple of one it reads) or choose another "
+            "--attention-backend",
+        )
+    if spec.kv_quant_mode == KVQuantMode.NONE:
+        dtype: torch.dtype = spec.dtype
+        return dtype
+    config = getattr(vllm_config, "cache_config", None)
+    asked = str(getattr(config, "cache_dtype", "fp8"))
+    fp8 = _fp8_dtype(identity, asked)
+    if fp8 is None:
+        raise identity.refuse(f"a quantized KV cache ({spec.kv_quant_mode.name}, --kv-cache-dtype {asked})")
+    return fp8
 
 
 def refuse_impl_args(
@@ -554,7 +655,7 @@ def refuse_impl_args(
         raise refuse(f"{AttentionType(attn_type).value} attention (it computes decoder self-attention)")
     if kv_sharing_target_layer_name is not None:
         raise refuse(f"KV-cache sharing between layers (target {kv_sharing_target_layer_name})")
-    if is_quantized_kv_cache(kv_cache_dtype):
+    if is_quantized_kv_cache(kv_cache_dtype) and not (kind == "attention" and kv_cache_dtype in VLLM_FP8_KV_DTYPES):
         cache = "KV cache" if kind == "attention" else f"{kind} cache"
         raise refuse(f"a quantized {cache} (--kv-cache-dtype {kv_cache_dtype})", "use --kv-cache-dtype auto")
     if extra_impl_args.get("sinks") is not None:
@@ -622,11 +723,15 @@ def _check_spec(identity: _Identity, spec: Any) -> None:
         raise refuse("non-causal (bidirectional) attention (it does not declare non_causal)")
     if spec.head_size_v != spec.head_size:
         raise refuse(f"a V head size ({spec.head_size_v}) unlike the QK head size ({spec.head_size})")
-    if spec.kv_quant_mode != KVQuantMode.NONE:
-        raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})", "use --kv-cache-dtype auto")
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        raise refuse(f"a quantized KV cache ({spec.kv_quant_mode.name})", "use --kv-cache-dtype auto or fp8")
     if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
         raise refuse("a packed KV-cache page (custom head slots or state sizes)")
-    reason = identity.capabilities.refusal(dtype=dtype_name(spec.dtype), head_dim=spec.head_size)
+    if spec.kv_quant_mode == KVQuantMode.NONE:
+        reason = identity.capabilities.refusal(dtype=dtype_name(spec.dtype), head_dim=spec.head_size)
+    else:  # an FP8 cache (uint8 in the spec): its format is checked with the config, in _cache_dtype
+        head_dims = identity.capabilities.head_dims
+        reason = None if not head_dims or spec.head_size in head_dims else f"head dim {spec.head_size}"
     if reason is not None:
         raise refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
 
@@ -656,12 +761,19 @@ def named_class(identity: _Identity, base: type[Any], suffix: str, namespace: di
     return cls
 
 
-def supported_dtypes(capabilities: BackendCapabilities) -> dict[str, Any]:
-    """vLLM's ``supported_dtypes`` / ``supported_kv_cache_dtypes`` from what the backend declares."""
+def supported_dtypes(capabilities: BackendCapabilities, fp8: bool = True) -> dict[str, Any]:
+    """vLLM's ``supported_dtypes`` / ``supported_kv_cache_dtypes`` from what the backend declares: its float
+    cache dtypes, and vLLM's FP8 names (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) of the FP8 formats it declares in
+    ``kv_cache_dtypes`` where ``fp8`` (an MLA latent cache stays float)."""
     dtypes = [
         getattr(torch, name) for name in capabilities.dtypes if isinstance(getattr(torch, name, None), torch.dtype)
     ]
-    kv_dtypes = ["auto", *(name for name in capabilities.dtypes if name in _VLLM_KV_DTYPES)]
+    kv_dtypes = [
+        "auto",
+        *(n for n in capabilities.dtypes if n in _VLLM_KV_DTYPES and capabilities.reads_kv_cache_dtype(n)),
+    ]
+    if fp8:
+        kv_dtypes += [vllm for vllm, name in VLLM_FP8_KV_DTYPES.items() if capabilities.reads_kv_cache_dtype(name)]
     return {"supported_dtypes": dtypes, "supported_kv_cache_dtypes": kv_dtypes}
 
 

@@ -186,9 +186,8 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
         split = next((i for i, n in enumerate(query_lens) if n > threshold), num_reqs)
         if any(prefix_cpu[split:]):  # a prefill over cached latent rows: only the absorbed form reads them
             split = num_reqs
-        kv = VLLMLatentCache(
-            self.device, self.dtype, self._req_to_token(m.block_table_tensor, num_reqs, seq_cpu), self.views
-        )
+        slots = self._req_to_token(self._page_table(m.block_table_tensor, num_reqs, seq_cpu))
+        kv = VLLMLatentCache(self.device, self.dtype, slots, self.views)
         rows = self._request_rows(num_reqs)
         extend_lens = m.query_start_loc[1 : num_reqs + 1] - m.query_start_loc[:num_reqs]
 
@@ -487,7 +486,7 @@ def mla_backend_class(identity: _Identity) -> type[AttnhostVLLMMLABackend]:
         AttnhostVLLMMLABackend,
         "",
         {
-            **supported_dtypes(identity.capabilities),
+            **supported_dtypes(identity.capabilities, fp8=False),
             "get_name": staticmethod(lambda: identity.engine_name),
             "get_impl_cls": staticmethod(lambda: impl),
             "get_builder_cls": staticmethod(lambda: builder),

@@ -17,7 +17,7 @@ import bisect
 from dataclasses import dataclass
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionType
 
 from attnhost.backend import dtype_name
@@ -132,8 +132,9 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
     """
     spec = case.spec
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(len(case.caches))]
+    config = VllmConfig(cache_config=CacheConfig(cache_dtype=case.kv_cache_dtype))
     try:
-        builder = cls.get_builder_cls()(spec, layer_names, VllmConfig(), "cpu")  # type: ignore[attr-defined]
+        builder = cls.get_builder_cls()(spec, layer_names, config, "cpu")  # type: ignore[attr-defined]
         metadata = builder.build(0, case.metadata)
     except Exception as exc:
         raise AssertionError(f"{what}: the metadata builder raised {type(exc).__name__}: {exc}") from exc
@@ -152,20 +153,38 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
                 spec.num_kv_heads,
                 None,
                 variant.sliding_window,
-                "auto",
+                case.kv_cache_dtype,
                 variant.logits_soft_cap,
                 AttentionType.DECODER,
                 None,
                 **extra,
             )
             with torch.no_grad():
-                returned = impl.forward(None, q, k, v, cache, metadata, output=output)
+                returned = impl.forward(scaled_layer(case, layer), q, k, v, cache, metadata, output=output)
         except Exception as exc:
             raise AssertionError(f"{what}: forward (layer {layer}) raised {type(exc).__name__}: {exc}") from exc
         if returned is not output:
             raise AssertionError(f"{what}: forward (layer {layer}) returned a new tensor, not vLLM's output buffer")
         outputs.append(output)
     return outputs
+
+
+def scaled_layer(case: Case, layer: int) -> torch.nn.Module | None:
+    """What vLLM passes an impl as ``layer`` where the cache is FP8: a module with vLLM's scale buffers
+    (``_k_scale`` / ``_v_scale`` and their ``*_float`` copies, set by vLLM's own helper, then to the case's scales).
+    ``None`` for a float cache, as vLLM's kernels ignore the scales there."""
+    if case.scales is None:
+        return None
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    module = torch.nn.Module()
+    set_default_quant_scales(module, register_buffer=True)
+    k_scale, v_scale = case.scales[layer]
+    buffers = dict(module.named_buffers())
+    buffers["_k_scale"].fill_(k_scale)
+    buffers["_v_scale"].fill_(v_scale)
+    module.__dict__.update(_k_scale_float=k_scale, _v_scale_float=v_scale)  # plain floats, as vLLM keeps them
+    return module
 
 
 def problem(case: Case, outputs: list[torch.Tensor], before: list[torch.Tensor], atol: float) -> str | None:

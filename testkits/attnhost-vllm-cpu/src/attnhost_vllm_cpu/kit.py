@@ -20,6 +20,15 @@ reads a key outside the window reads garbage. Sinks are one logit per query
 head and layer, one of them ``-inf`` (vLLM's value for a sink never loaded);
 a non-causal case is vLLM's ``causal=False`` batch over a ``non_causal``
 full-attention group (DFlash drafts).
+
+A case may have an FP8 cache (``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` /
+``fp8_e5m2``): vLLM's ``uint8`` allocation with per-layer scales that put the
+format's largest value at 2 (``k_scale`` doubled in layer 1), so that the
+tail of the inputs saturates. The prefix is stored as the contract's
+quantising write (:func:`attnhost.forward_batch.quantize_fp8`) and the
+reference reads every key and value as the cache holds it, dequantised
+(``stored * scale``): quantisation changes what the cache holds, not how
+exactly a backend must attend over it.
 """
 
 from __future__ import annotations
@@ -38,12 +47,21 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheLayout,
     KVCacheTensor,
+    KVQuantMode,
     SlidingWindowSpec,
     compute_layout_strides,
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from attnhost.forward_batch import quantize_fp8
 from attnhost.testing.reference import reference_request_attention
+
+FP8_FORMATS: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""vLLM's ``--kv-cache-dtype`` names of FP8 caches and the float8 dtype each stores."""
 
 BATCHES_DECODE = [(5, 1), (17, 1), (1, 1), (40, 1)]
 
@@ -69,7 +87,19 @@ def allocate(
     return caches
 
 
-__all__ = ["BATCHES_DECODE", "PAD_SLOT", "PLAIN", "Case", "Request", "Variant", "allocate", "layer_caches", "make_case"]
+__all__ = [
+    "BATCHES_DECODE",
+    "FP8_FORMATS",
+    "PAD_SLOT",
+    "PLAIN",
+    "Case",
+    "Request",
+    "Variant",
+    "allocate",
+    "fp8_scales",
+    "layer_caches",
+    "make_case",
+]
 
 NULL_BLOCK = 0
 """vLLM's null block: where its sliding-window manager points the block-table entries it freed."""
@@ -123,6 +153,10 @@ class Request:
     rejected: int = 0
     """Its last ``rejected`` new tokens carry slot ``-1``, as vLLM's drafter marks rejected tokens: never written,
     their outputs discarded."""
+    k_in: list[torch.Tensor] | None = None
+    """With an FP8 cache, per layer the whole sequence's K before quantisation (the layer gets its new rows; ``k``
+    then holds what the cache holds, dequantised); ``None``: ``k`` is both."""
+    v_in: list[torch.Tensor] | None = None
 
     @property
     def seq(self) -> int:
@@ -146,6 +180,14 @@ class Case:
     variant: Variant = PLAIN
     sinks: list[torch.Tensor] | None = None
     """Per layer, the ``[num_heads]`` sink logits (float64, rounded to the case's dtype) when the variant has sinks."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype) or a key of :data:`FP8_FORMATS`."""
+    scales: list[tuple[float, float]] | None = None
+    """Per layer, vLLM's ``(_k_scale, _v_scale)`` of an FP8 cache."""
+
+    @property
+    def fp8(self) -> torch.dtype | None:
+        return FP8_FORMATS.get(self.kv_cache_dtype)
 
     @property
     def block_size(self) -> int:
@@ -162,8 +204,8 @@ class Case:
     def layer_inputs(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of the new tokens as vLLM passes them, with ``padding`` garbage rows at the end."""
         q = torch.cat([r.q[layer] for r in self.requests])
-        k = torch.cat([r.k[layer][r.prefix :] for r in self.requests])
-        v = torch.cat([r.v[layer][r.prefix :] for r in self.requests])
+        k = torch.cat([(r.k if r.k_in is None else r.k_in)[layer][r.prefix :] for r in self.requests])
+        v = torch.cat([(r.v if r.v_in is None else r.v_in)[layer][r.prefix :] for r in self.requests])
 
         def padded(x: torch.Tensor) -> torch.Tensor:
             return torch.cat([x, torch.randn((self.padding, *x.shape[1:]), dtype=x.dtype) * 100]).to(dtype)
@@ -196,7 +238,19 @@ class Case:
         block, offset = self.slot(request, position)
         entry = self.caches[layer][block, :, offset]
         d = self.spec.head_size
-        return entry[:, :d], entry[:, d:]
+        fp8 = self.fp8
+        if fp8 is None or self.scales is None:
+            return entry[:, :d], entry[:, d:]
+        k_scale, v_scale = self.scales[layer]
+        values = entry.view(fp8).double()
+        return values[:, :d] * k_scale, values[:, d:] * v_scale
+
+
+def fp8_scales(fp8: torch.dtype, num_layers: int) -> list[tuple[float, float]]:
+    """Per layer ``(k_scale, v_scale)`` that put the format's largest value at 2 (``k_scale`` doubled in layer 1), so
+    that normal inputs saturate in their tails: the write must divide by the scale and clamp, the read multiply."""
+    base = 2.0 / torch.finfo(fp8).max
+    return [(base * (2.0 if layer == 1 else 1.0), base) for layer in range(num_layers)]
 
 
 def layer_caches(
@@ -216,8 +270,12 @@ def layer_caches(
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     by_name = allocate(spec, layer_names, num_blocks, layout)
     caches = [by_name[name] for name in layer_names]
-    for cache in caches:
-        cache.normal_(generator=gen)  # stale data everywhere a request does not own
+    for cache in caches:  # stale data everywhere a request does not own (finite bytes in an FP8 cache's uint8)
+        if cache.dtype == torch.uint8:
+            stale = torch.randn(cache.shape, generator=gen).to(torch.float8_e5m2).view(torch.uint8)
+            cache.copy_(stale)
+        else:
+            cache.normal_(generator=gen)
     return free, caches
 
 
@@ -236,14 +294,26 @@ def make_case(
     seed: int = 0,
     rejected: list[int] | None = None,
     variant: Variant = PLAIN,
+    kv_cache_dtype: str = "auto",
 ) -> Case:
     """A batch of ``(prefix_len, query_len)`` requests with their prefixes already in vLLM's cache; ``rejected``:
     per request, how many of its last new tokens vLLM's drafter marked rejected (slot ``-1``); ``variant``: the
-    layers' attention variant and the batch's causality."""
+    layers' attention variant and the batch's causality; ``kv_cache_dtype``: ``auto`` or an FP8 format of
+    :data:`FP8_FORMATS` (full attention only)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     spec: AttentionSpec
-    if variant.sliding_window is not None:
+    fp8 = FP8_FORMATS.get(kv_cache_dtype)
+    if fp8 is not None:  # vLLM's FP8 cache: uint8 entries, per-tensor scales
+        spec = FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=torch.uint8,
+            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR,
+            non_causal=not variant.causal,
+        )
+    elif variant.sliding_window is not None:
         spec = SlidingWindowSpec(
             block_size=block_size,
             num_kv_heads=num_kv_heads,
@@ -285,18 +355,34 @@ def make_case(
     if variant.sinks:  # a spread of about N(0, 2^2), as trained sinks have, and one -inf (a sink never loaded)
         sinks = [(randn(num_heads) * 2).to(dtype).to(torch.float64) for _ in range(num_layers)]
         sinks[0][0] = float("-inf")
-    case = Case(spec, num_heads, reqs, caches, metadata, padding, variant, sinks)
+    scales = None if fp8 is None else fp8_scales(fp8, num_layers)
+    case = Case(spec, num_heads, reqs, caches, metadata, padding, variant, sinks, kv_cache_dtype, scales)
+    # the inputs are rounded to the model's dtype; the reference sees exactly what the backend sees
+    for r in reqs:
+        for tensors in (r.k, r.v, r.q):
+            tensors[:] = [t.to(dtype).to(torch.float64) for t in tensors]
+    if fp8 is not None and scales is not None:  # the layer gets the new K/V as they are; the cache holds them in FP8
+        for r in reqs:
+            r.k_in, r.v_in = r.k, r.v
+            r.k = [_fp8_round(t, scales[i][0], fp8) for i, t in enumerate(r.k_in)]
+            r.v = [_fp8_round(t, scales[i][1], fp8) for i, t in enumerate(r.v_in)]
     for layer, cache in enumerate(caches):
         for r in reqs:
             for p in range(r.prefix):
                 block, offset = case.slot(r, p)
-                cache[block, :, offset, :head_size] = r.k[layer][p].to(dtype)
-                cache[block, :, offset, head_size:] = r.v[layer][p].to(dtype)
-    # the inputs are rounded to the cache dtype; the reference sees exactly what the backend sees
-    for r in reqs:
-        for tensors in (r.k, r.v, r.q):
-            tensors[:] = [t.to(dtype).to(torch.float64) for t in tensors]
+                if r.k_in is not None and r.v_in is not None and fp8 is not None and scales is not None:
+                    k_scale, v_scale = scales[layer]  # the contract's write, whose bytes r.k / r.v read back
+                    cache[block, :, offset, :head_size] = quantize_fp8(r.k_in[layer][p], k_scale, fp8).view(torch.uint8)
+                    cache[block, :, offset, head_size:] = quantize_fp8(r.v_in[layer][p], v_scale, fp8).view(torch.uint8)
+                else:
+                    cache[block, :, offset, :head_size] = r.k[layer][p].to(dtype)
+                    cache[block, :, offset, head_size:] = r.v[layer][p].to(dtype)
     return case
+
+
+def _fp8_round(x: torch.Tensor, scale: float, fp8: torch.dtype) -> torch.Tensor:
+    """What an FP8 cache holds for ``x``, read back: ``quantize_fp8(x) * scale`` in float64."""
+    return quantize_fp8(x, scale, fp8).to(torch.float64) * scale
 
 
 class Placed(Protocol):
