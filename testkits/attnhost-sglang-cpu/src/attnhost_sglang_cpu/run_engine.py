@@ -3,9 +3,10 @@
 ``python -m attnhost_sglang_cpu.run_engine JOB_JSON`` where the job is
 ``{"model": DIR, "prompts": [[ids]], "new_tokens": N, "runs": [RUN, ...]}`` and
 each run is ``{"name": ID, "backend": NAME, "probe": FILE, "engine_args": {...},
-"env": {...}, "model": DIR, "prompts": [[ids]], "passes": N}`` (``name`` defaults to the backend; ``model`` and
-``prompts`` to the job's; ``passes`` generations in one engine, 1 by default; ``engine_args`` are further
-``sglang.Engine`` keyword arguments, such as the speculative ones of
+"env": {...}, "model": DIR, "prompts": [[ids]], "passes": N, "logprobs": BOOL}`` (``name`` defaults to the backend;
+``model`` and ``prompts`` to the job's; ``passes`` generations in one engine, 1 by default; ``logprobs``: also
+report each generated token's log-probability, which shows a numeric change greedy ids may hide; ``engine_args``
+are further ``sglang.Engine`` keyword arguments, such as the speculative ones of
 :func:`speculative_args`; ``env`` is set for that run only). It prints one
 JSON line per run: ``{"name", "backend", "output_ids", "meta_info",
 "seconds", "children_left", "driver_pid"}`` or ``{"name", "backend", "error",
@@ -77,10 +78,17 @@ def speculative_args(
 
 
 def run_one(
-    model: str, prompts: list[list[int]], new_tokens: int, backend: str, passes: int = 1, **engine_args: Any
+    model: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    backend: str,
+    passes: int = 1,
+    logprobs: bool = False,
+    **engine_args: Any,
 ) -> dict[str, Any]:
     """One engine, *passes* generations of the same prompts (a later pass finds their prefixes in the radix
-    cache); ``output_ids`` / ``meta_info`` are the first pass's, ``later_passes`` the others'."""
+    cache); ``output_ids`` / ``meta_info`` (and with *logprobs* ``logprobs``: per prompt, each generated token's
+    log-probability) are the first pass's, ``later_passes`` the others'."""
     import psutil
     import sglang as sgl
 
@@ -92,6 +100,7 @@ def run_one(
             outs = engine.generate(
                 input_ids=prompts,
                 sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+                return_logprob=logprobs,
             )
             results.append(
                 {
@@ -99,6 +108,8 @@ def run_one(
                     "meta_info": [{k: out["meta_info"][k] for k in META_KEYS if k in out["meta_info"]} for out in outs],
                 }
             )
+            if logprobs:  # SGLang's (logprob, token id, text) per generated token
+                results[-1]["logprobs"] = [[e[0] for e in out["meta_info"]["output_token_logprobs"]] for out in outs]
     finally:
         engine.shutdown()
     seconds = time.monotonic() - start
@@ -127,6 +138,7 @@ def main(argv: list[str]) -> int:
                 job["new_tokens"],
                 run["backend"],
                 run.get("passes", 1),
+                run.get("logprobs", False),
                 **run.get("engine_args", {}),
             )
         except Exception:
