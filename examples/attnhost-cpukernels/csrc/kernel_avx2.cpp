@@ -8,6 +8,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #define CPUK_LANES 8
 #define CPUK_NAMESPACE avx2
+#define CPUK_AVX2 1  // AVX2 and F16C intrinsics (the target pragma does not define __AVX2__)
 #define CPUK_UNIT run_unit
 #include "kernel_impl.h"
 
