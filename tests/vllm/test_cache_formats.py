@@ -48,11 +48,17 @@ def run(name: str, batch: str, kv_cache_dtype: str, dtype: torch.dtype, block_si
 
 @pytest.mark.parametrize("kv_cache_dtype", FP8)
 @pytest.mark.parametrize("batch", ["mixed", "prefix_cached", "decode", "drafter_rejected"])
-def test_fp8_cache_in_blocks_of_16(batch: str, kv_cache_dtype: str) -> None:
-    """torch_native over vLLM's FP8 cache, block size 16, float32: every output against the float64 reference of
-    the dequantised cache, every new token's bytes as the contract writes them (``-1`` rows never written)."""
-    found = run("torch_native", batch, kv_cache_dtype, torch.float32)
-    assert found is None, f"torch_native, {kv_cache_dtype}: {found}"
+@pytest.mark.parametrize("name", ["torch_native", "cpu_paged"])
+def test_fp8_cache_in_blocks_of_16(name: str, batch: str, kv_cache_dtype: str) -> None:
+    """Over vLLM's FP8 cache, block size 16, float32: every output against the float64 reference of the dequantised
+    cache, every new token's bytes as the contract writes them (``-1`` rows never written). torch_native reads
+    slots through req_to_token, the compiled cpu_paged walks page_table (vLLM's block table)."""
+    fp8 = str(FP8_FORMATS[kv_cache_dtype]).removeprefix("torch.")
+    cls = AttentionBackendEnum[name.upper()].get_class()
+    if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+        pytest.skip(f"{name} does not declare {fp8} in BackendCapabilities.kv_cache_dtypes")
+    found = run(name, batch, kv_cache_dtype, torch.float32)
+    assert found is None, f"{name}, {kv_cache_dtype}: {found}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

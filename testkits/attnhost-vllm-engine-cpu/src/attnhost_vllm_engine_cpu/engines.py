@@ -24,6 +24,7 @@ from attnhost_vllm_engine_cpu import probe as probe_records
 
 __all__ = [
     "BASE_ENGINE_ARGS",
+    "IN_PROCESS",
     "NEW_TOKENS",
     "Models",
     "Outcome",
@@ -51,6 +52,9 @@ BASE_ENGINE_ARGS: dict[str, Any] = {
 #: Per engine: the CPU KV cache (GiB) and no NUMA binding of OpenMP threads (the ranks share two cores here).
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 TIMEOUT = 900
+#: For single-rank runs: vLLM's engine core in the driver's process (``InprocClient``), so an engine does not start
+#: a process that imports vLLM again.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass(frozen=True)

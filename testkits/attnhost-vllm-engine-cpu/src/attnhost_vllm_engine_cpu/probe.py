@@ -44,6 +44,15 @@ def write(record: dict[str, Any]) -> None:
         out.write(line)
 
 
+def new_run(index: int) -> None:
+    """Mark the start of the driver's run ``index``: later records are its own, and each (backend, mode) is recorded
+    again, as it is in a fresh engine-core process (an engine core in the driver's process shares this module)."""
+    with _lock:
+        _seen.clear()
+        _draft_of.clear()
+    write({"event": "run", "run": index})
+
+
 def _once(key: tuple[Any, ...]) -> bool:
     with _lock:
         if key in _seen:
@@ -108,6 +117,8 @@ def _wrap_forward(original: Any) -> Any:
                         "draft": draft,
                         "mode": mode,
                         "backend_class": type(attn_metadata.backend).__qualname__,
+                        "kv_dtype": str(batch.kv_pool.dtype).removeprefix("torch."),
+                        "page_size": batch.kv_pool.page_size,
                     }
                 )
         return out

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     results = []
     for index, run in enumerate(spec["runs"]):
-        probe.write({"event": "run", "run": index})  # the probe's records after this one are this run's
+        probe.new_run(index)  # the probe's records after this one are this run's
         start = time.monotonic()
         try:
             result = generate(run.get("model", spec["model"]), run)
