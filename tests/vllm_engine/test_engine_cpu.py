@@ -28,6 +28,7 @@ import pytest
 pytest.importorskip("attnhost_vllm_engine_cpu", reason="the test-only vLLM CPU engine kit is not installed")
 
 from attnhost_vllm_engine_cpu.engines import (
+    IN_PROCESS,
     Models,
     batches_seen,
     build_models,
@@ -52,7 +53,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 def test_examples_generate_hf_greedy_ids(models: Models, tmp_path: Path) -> None:
     runs = [generate_run(models, vllm_name(name)) for name in EXAMPLES]
-    outcome = run_engines(models.target, runs, tmp_path)
+    outcome = run_engines(models.target, runs, tmp_path, **IN_PROCESS)  # single-rank: engine cores in the driver
     for i, name in enumerate(EXAMPLES):
         result = outcome.result(i, f"LLM.generate with attnhost backend {name!r}")
         assert result["passes"] == [models.hf_ids, models.hf_second], (
