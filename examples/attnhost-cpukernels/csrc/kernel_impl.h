@@ -588,6 +588,137 @@ static inline void pack_keys(const Problem& p, const int64_t* slots, int64_t n, 
   }
 }
 
+#if defined(CPUK_AVX2)
+// The decode path on a cache that is not float32, with AVX2: each K/V vector widened (and scaled) where the
+// dot products and the accumulation load it, instead of through a float copy of the block written and read back.
+template <DType T>
+static inline __attribute__((always_inline)) vf wload(const char* row, int d, __m256 sv) {
+  __m256 f;
+  if constexpr (T == DType::kBFloat16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d));
+    f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  } else if constexpr (T == DType::kFloat16) {
+    f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d)));
+  } else {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+    __m128i half;
+    if constexpr (T == DType::kFp8E5M2) {
+      half = _mm_slli_epi16(x, 8);
+    } else {
+      const __m128i em = _mm_and_si128(x, _mm_set1_epi16(0x7f));
+      half = _mm_or_si128(_mm_slli_epi16(em, 7), _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+      half = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00), _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)));
+    }
+    f = _mm256_mul_ps(_mm256_cvtph_ps(half), sv);
+  }
+  vf r;
+  std::memcpy(&r, &f, sizeof(r));
+  return r;
+}
+
+// The multiplier wload takes: e4m3fn read as a half is its value times 2^-8 (see widen_row).
+static inline __m256 wscale(DType t, float scale) {
+  return _mm256_set1_ps(t == DType::kFp8E4M3 ? 256.f * scale : scale);
+}
+
+// s[r][j] for the block's keys, two keys and four rows at a time, as dot_rows2.
+template <DType T>
+static void fused_qk(const float* q, int64_t ld, int rows, const char* const* k, int n, int dim, float scale,
+                     float* s, Ahead& ahead, int64_t quota) {
+  const __m256 sv = wscale(T, scale);
+  const int dv = dim - dim % 8;
+  for (int j = 0; j < n; j += 2) {
+    ahead.issue(2 * quota);
+    const char* k0 = k[j];
+    const char* k1 = j + 1 < n ? k[j + 1] : k[j];  // an odd last key: computed twice, stored once
+    int r = 0;
+    for (; r + 4 <= rows; r += 4) {
+      const float *q0 = q + r * ld, *q1 = q0 + ld, *q2 = q1 + ld, *q3 = q2 + ld;
+      vf a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+      for (int d = 0; d < dv; d += 8) {
+        const vf x = wload<T>(k0, d, sv), y = wload<T>(k1, d, sv);
+        const vf u0 = load(q0 + d), u1 = load(q1 + d), u2 = load(q2 + d), u3 = load(q3 + d);
+        a0 += u0 * x, a1 += u1 * x, a2 += u2 * x, a3 += u3 * x;
+        b0 += u0 * y, b1 += u1 * y, b2 += u2 * y, b3 += u3 * y;
+      }
+      float t[8];
+      hsum8(a0, a1, a2, a3, b0, b1, b2, b3, t);
+      for (int d = dv; d < dim; ++d) {
+        const float x = to_float(k0, d, T) * (T == DType::kFp8E4M3 || T == DType::kFp8E5M2 ? scale : 1.f);
+        const float y = to_float(k1, d, T) * (T == DType::kFp8E4M3 || T == DType::kFp8E5M2 ? scale : 1.f);
+        for (int i = 0; i < 4; ++i) t[i] += q[(r + i) * ld + d] * x, t[4 + i] += q[(r + i) * ld + d] * y;
+      }
+      for (int i = 0; i < 4; ++i) {
+        s[(r + i) * KB + j] = t[i];
+        if (j + 1 < n) s[(r + i) * KB + j + 1] = t[4 + i];
+      }
+    }
+    for (; r < rows; ++r) {
+      const float* q0 = q + r * ld;
+      vf a0{}, b0{};
+      for (int d = 0; d < dv; d += 8) a0 += load(q0 + d) * wload<T>(k0, d, sv), b0 += load(q0 + d) * wload<T>(k1, d, sv);
+      float t0 = hsum(a0), t1 = hsum(b0);
+      for (int d = dv; d < dim; ++d) {
+        const float f = T == DType::kFp8E4M3 || T == DType::kFp8E5M2 ? scale : 1.f;
+        t0 += q0[d] * to_float(k0, d, T) * f, t1 += q0[d] * to_float(k1, d, T) * f;
+      }
+      s[r * KB + j] = t0;
+      if (j + 1 < n) s[r * KB + j + 1] = t1;
+    }
+  }
+}
+
+// acc[r] += sum_j p[r][j] * v[j], four rows at a time, each V vector widened once for them.
+template <DType T>
+static void fused_pv(float* acc, int64_t ld, int rows, const float* p, const char* const* v, int n, int dim,
+                     float scale) {
+  const __m256 sv = wscale(T, scale);
+  const int dv = dim - dim % 8;
+  const float f = T == DType::kFp8E4M3 || T == DType::kFp8E5M2 ? scale : 1.f;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float *p0 = p + r * KB, *p1 = p0 + KB, *p2 = p1 + KB, *p3 = p2 + KB;
+    float *o0 = acc + r * ld, *o1 = o0 + ld, *o2 = o1 + ld, *o3 = o2 + ld;
+    int d = 0;
+    for (; d + 16 <= dv; d += 16) {  // two vectors per pass: eight independent sums hide the FMA latency
+      vf a0 = load(o0 + d), a1 = load(o1 + d), a2 = load(o2 + d), a3 = load(o3 + d);
+      vf b0 = load(o0 + d + 8), b1 = load(o1 + d + 8), b2 = load(o2 + d + 8), b3 = load(o3 + d + 8);
+      for (int j = 0; j < n; ++j) {
+        const vf x = wload<T>(v[j], d, sv), y = wload<T>(v[j], d + 8, sv);
+        a0 += p0[j] * x, a1 += p1[j] * x, a2 += p2[j] * x, a3 += p3[j] * x;
+        b0 += p0[j] * y, b1 += p1[j] * y, b2 += p2[j] * y, b3 += p3[j] * y;
+      }
+      store(o0 + d, a0), store(o1 + d, a1), store(o2 + d, a2), store(o3 + d, a3);
+      store(o0 + d + 8, b0), store(o1 + d + 8, b1), store(o2 + d + 8, b2), store(o3 + d + 8, b3);
+    }
+    for (; d < dv; d += 8) {
+      vf a0 = load(o0 + d), a1 = load(o1 + d), a2 = load(o2 + d), a3 = load(o3 + d);
+      for (int j = 0; j < n; ++j) {
+        const vf x = wload<T>(v[j], d, sv);
+        a0 += p0[j] * x, a1 += p1[j] * x, a2 += p2[j] * x, a3 += p3[j] * x;
+      }
+      store(o0 + d, a0), store(o1 + d, a1), store(o2 + d, a2), store(o3 + d, a3);
+    }
+    for (int d = dv; d < dim; ++d)
+      for (int j = 0; j < n; ++j) {
+        const float x = to_float(v[j], d, T) * f;
+        o0[d] += p0[j] * x, o1[d] += p1[j] * x, o2[d] += p2[j] * x, o3[d] += p3[j] * x;
+      }
+  }
+  for (; r < rows; ++r) {
+    const float* p0 = p + r * KB;
+    float* o0 = acc + r * ld;
+    for (int d = 0; d < dv; d += 8) {
+      vf a0 = load(o0 + d);
+      for (int j = 0; j < n; ++j) a0 += p0[j] * wload<T>(v[j], d, sv);
+      store(o0 + d, a0);
+    }
+    for (int d = dv; d < dim; ++d)
+      for (int j = 0; j < n; ++j) o0[d] += p0[j] * to_float(v[j], d, T) * f;
+  }
+}
+#endif
+
 struct Scratch {
   std::vector<float> q, acc, m, l, s, kf, vf, kt, row;
 };
@@ -605,6 +736,11 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   const bool direct = p.kv_dtype == DType::kFloat32;
   const int es = element_size(p.kv_dtype);
   const bool gemm = rows_per_head >= kGemmRows;  // an extend's block: two matrix products (qk_rows, pv_rows)
+#if defined(CPUK_AVX2)
+  const bool fused = !gemm && !direct;  // widened where loaded (fused_qk, fused_pv)
+#else
+  const bool fused = false;
+#endif
 
   sc.q.assign(static_cast<size_t>(rows) * ld, 0.f);
   sc.acc.assign(static_cast<size_t>(rows) * ld, 0.f);
@@ -637,6 +773,8 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
   int64_t slots[KB], next[KB];
   const float* kp[KB];
   const float* vp[KB];
+  const char* kr[KB];  // the fused path's raw rows
+  const char* vr[KB];
   // The slots of keys [from, from + KB): a copy of token slots, or with pages the runs of consecutive slots in
   // each page the block spans (page after page as the table lists them).
   const int64_t page = p.page_size;
@@ -697,6 +835,21 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
         }
         qk_rows(q, ld, rows_per_head, sc.kt.data(), dim, s);
         ahead.issue((ahead.rows + 2 * nh - 1) / (2 * nh));
+      } else if (fused) {
+        for (int64_t j = 0; j < n; ++j) {
+          kr[j] = kbase + (slots[j] * p.k_slot + h * p.k_head) * es;
+          vr[j] = vbase + (slots[j] * p.v_slot + h * p.v_head) * es;
+        }
+#if defined(CPUK_AVX2)
+        const int64_t per_key = (ahead.rows + nh * n - 1) / (nh * n);
+        const int nn = static_cast<int>(n);
+        switch (p.kv_dtype) {
+          case DType::kBFloat16: fused_qk<DType::kBFloat16>(q, ld, rows_per_head, kr, nn, dim, 1.f, s, ahead, per_key); break;
+          case DType::kFloat16: fused_qk<DType::kFloat16>(q, ld, rows_per_head, kr, nn, dim, 1.f, s, ahead, per_key); break;
+          case DType::kFp8E4M3: fused_qk<DType::kFp8E4M3>(q, ld, rows_per_head, kr, nn, dim, p.k_scale, s, ahead, per_key); break;
+          default: fused_qk<DType::kFp8E5M2>(q, ld, rows_per_head, kr, nn, dim, p.k_scale, s, ahead, per_key); break;
+        }
+#endif
       } else if (direct) {
         for (int64_t j = 0; j < n; ++j) {
           kp[j] = static_cast<const float*>(p.k) + slots[j] * p.k_slot + h * p.k_head;
@@ -713,7 +866,7 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
           vp[j] = vd;
         }
       }
-      for (int64_t j = 0; !gemm && j < n; ++j) {
+      for (int64_t j = 0; !gemm && !fused && j < n; ++j) {
         ahead.issue(quota);
         if (j + 1 < n && rows_per_head >= 4) {
           dot_rows2(q, ld, rows_per_head, kp[j], kp[j + 1], dim, s + j, KB);
@@ -763,9 +916,20 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
           for (int64_t d = 0; d < ld; d += W) store(a + d, load(a + d) * av);
         }
       }
-      if (gemm)
+      if (gemm) {
         pv_rows(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim);
-      else
+      } else if (fused) {
+#if defined(CPUK_AVX2)
+        float* a = sc.acc.data() + r0 * ld;
+        const int nn = static_cast<int>(n);
+        switch (p.kv_dtype) {
+          case DType::kBFloat16: fused_pv<DType::kBFloat16>(a, ld, rows_per_head, s, vr, nn, dim, 1.f); break;
+          case DType::kFloat16: fused_pv<DType::kFloat16>(a, ld, rows_per_head, s, vr, nn, dim, 1.f); break;
+          case DType::kFp8E4M3: fused_pv<DType::kFp8E4M3>(a, ld, rows_per_head, s, vr, nn, dim, p.v_scale); break;
+          default: fused_pv<DType::kFp8E5M2>(a, ld, rows_per_head, s, vr, nn, dim, p.v_scale); break;
+        }
+#endif
+      } else
         accumulate(sc.acc.data() + r0 * ld, ld, rows_per_head, s, vp, static_cast<int>(n), dim, ahead, pv_quota);
     }
     ahead.issue(ahead.rows);  // whatever the steps left (the tails of odd row counts issue none)
