@@ -1,7 +1,7 @@
 """The compiled example kernel (``cpu_paged``, examples/attnhost-cpukernels) against memory bandwidth and the
 ``torch_native`` backends, on SGLang's own pools and batches (as bench_sglang_bridge.py), side by side in one run.
 
-    python benchmarks/bench_cpukernels.py [--quick]     (in the `sglang` tox environment's Python, which has
+    python benchmarks/bench_cpukernels.py [--quick] [--formats]     (in the `sglang` tox environment's Python, which has
                                                           SGLang and the example installed)
 
 Figures (8 query / 2 KV heads, head dim 128, float32, page size 1, slots laid out as the kit's
@@ -15,6 +15,9 @@ Figures (8 query / 2 KV heads, head dim 128, float32, page size 1, slots laid ou
 * **speed-up**: the same decode through SGLang's registry: SGLang's own ``torch_native`` and
   ``attnhost_torch_native`` against ``cpu_paged`` (all three bridged the way SGLang calls them), interleaved.
 * **extend**: 4 requests x 128 new tokens over a 1,024-token prefix, the same three.
+* **cache formats**: decode 16 x 4,096 on SGLang's pools in pages of 16 with a bfloat16 model, at one and two
+  threads: the bfloat16 cache's KV read rate against the stream (as above), an FP8 (e4m3) cache's decode time
+  over the bfloat16 cache's, and SGLang's ``torch_native`` against ``cpu_paged`` on the bfloat16 cache.
 * **adapter overhead**: per layer call, on every case of bench_sglang_bridge.py, the adapter's own work (the
   adapter around a no-op backend minus the no-op alone) over the direct ``cpu_paged`` call.
 
@@ -51,24 +54,44 @@ from _common import (  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 BACKEND = "cpu_paged"
 SECTION = "cpukernels"
+FP8 = torch.float8_e4m3fn
 
 
 class Setup:
     """One SGLang batch on SGLang's pools, with every subject built from SGLang's ``ATTENTION_BACKENDS``."""
 
-    def __init__(self, label: str, prefix: tuple[int, ...], extend: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        label: str,
+        prefix: tuple[int, ...],
+        extend: tuple[int, ...],
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         from bench_sglang_bridge import dense_fixture
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
         self.mode = "decode" if not extend else "extend"
-        fixture = dense_fixture(label, self.mode, prefix, extend, "shuffled_pages", (HEADS, KV_HEADS, HEAD_DIM))
+        fixture = dense_fixture(
+            label,
+            self.mode,
+            prefix,
+            extend,
+            "shuffled_pages",
+            (HEADS, KV_HEADS, HEAD_DIM),
+            page_size=page_size,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+        )
         case = fixture.case
         self.runner, self.batch, self.layer = fixture.runner, fixture.forward_batch, fixture.actual_module.attn
         tokens = case.num_input_tokens
-        self.q = torch.randn(tokens, HEADS * HEAD_DIM)
-        self.k = torch.randn(tokens, KV_HEADS, HEAD_DIM)
-        self.v = torch.randn(tokens, KV_HEADS, HEAD_DIM)
-        self.kv_bytes = (sum(prefix) + tokens) * KV_HEADS * HEAD_DIM * 4 * 2
+        self.q = torch.randn(tokens, HEADS * HEAD_DIM).to(dtype)
+        self.k = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
+        self.v = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
+        size = (kv_dtype or dtype).itemsize
+        self.kv_bytes = (sum(prefix) + tokens) * KV_HEADS * HEAD_DIM * size * 2
         self.backends = {
             "sglang torch_native": fixture.backend,
             "attnhost_torch_native": ATTENTION_BACKENDS["attnhost_torch_native"](self.runner),
@@ -80,14 +103,15 @@ class Setup:
                 backend.forward(self.q, self.k, self.v, self.layer, self.batch)  # first forward converts the layer
             expected = self.backends["sglang torch_native"].forward(self.q, self.k, self.v, self.layer, self.batch)
             got = self.backends[BACKEND].forward(self.q, self.k, self.v, self.layer, self.batch)
-        torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+        tolerance = 2e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
     def call(self, name: str) -> Callable[[], object]:
         backend, args = self.backends[name], (self.q, self.k, self.v, self.layer, self.batch)
         return lambda: backend.forward(*args)
 
 
-def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
+def run(quick: bool = False, log: Callable[[str], None] = print, formats_only: bool = False) -> list[Row]:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -102,6 +126,9 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
         f"{BACKEND}: kernel {kernel_info()}; largest cache {llc >> 20} MiB; stream buffer {stream.numel() * 4 >> 20} "
         f"MiB; load average {os.getloadavg()}"
     )
+    if formats_only:
+        with torch.no_grad():
+            return cache_formats(stream, rounds, log)
     with torch.no_grad():
         decode16 = Setup("decode b=16 ctx=4096", (4095,) * 16, ())
         decode1 = Setup("decode b=1 ctx=4096", (4095,), ())
@@ -163,6 +190,7 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
                         )
                     )
         del decode16, decode1
+        rows += cache_formats(stream, rounds, log)
         # the adapter's own cost per layer call against this kernel, on every case of the bridge benchmark
         worst = 0.0
         with torch_threads(1):
@@ -218,11 +246,90 @@ def run(quick: bool = False, log: Callable[[str], None] = print) -> list[Row]:
     return rows
 
 
+def cache_formats(stream: torch.Tensor, rounds: int, log: Callable[[str], None]) -> list[Row]:
+    """Decode 16 x 4,096 on SGLang's pools in pages of 16 (``--page-size 16``), bfloat16 model: the bfloat16
+    cache's KV read rate against the stream, an FP8 (e4m3) cache's decode time over the bfloat16 cache's, and
+    ``cpu_paged`` against SGLang's ``torch_native`` on the bfloat16 cache; at one thread and at two."""
+    rows: list[Row] = []
+    label = "decode b=16 ctx=4096, page 16"
+    bf16 = Setup(f"{label}, bfloat16", (4095,) * 16, (), page_size=16, dtype=torch.bfloat16)
+    fp8 = Setup(f"{label}, fp8_e4m3", (4095,) * 16, (), page_size=16, dtype=torch.bfloat16, kv_dtype=FP8)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            share, kernel_gbs, stream_gbs = bandwidth_pairs(stream, bf16.call(BACKEND), bf16.kv_bytes, rounds)
+            times = interleaved(
+                {
+                    "fp8": per_call(fp8.call(BACKEND), 2),
+                    "bf16": per_call(bf16.call(BACKEND), 2),
+                    "torch_native": per_call(bf16.call("sglang torch_native"), 1),
+                },
+                rounds,
+            )
+        where = f"{label}, {threads} thread(s)"
+        fp8_ratio = times["fp8"].median / times["bf16"].median
+        speed_up = times["torch_native"].median / times["bf16"].median
+        log(
+            f"  bandwidth {where}, bfloat16 cache: {BACKEND} {kernel_gbs:.1f} GB/s, stream {stream_gbs:.1f} GB/s, "
+            f"median pair share {share.median:.0%} (target >= 75%)"
+        )
+        log(
+            f"  {where}: fp8_e4m3 cache {times['fp8'].median * 1e3:.2f} ms, bfloat16 cache "
+            f"{times['bf16'].median * 1e3:.2f} ms: {fp8_ratio:.2f} (target <= 0.6); sglang torch_native "
+            f"{times['torch_native'].median * 1e3:.1f} ms: {speed_up:.1f}x (target >= 5x)"
+        )
+        rows += [
+            Row(
+                SECTION,
+                f"KV read, {where}, bfloat16 cache",
+                f"{BACKEND} s/byte",
+                1 / share.median,
+                "stream s/byte",
+                1.0,
+                "x",
+                spread=share.spread,
+                n=share.n,
+                target="bandwidth >= 75% of the stream",
+                max_ratio=1 / 0.75,
+                notes=[f"{BACKEND} {kernel_gbs:.1f} GB/s, stream {stream_gbs:.1f} GB/s (medians)"],
+            ),
+            Row(
+                SECTION,
+                f"{where}, fp8_e4m3 over bfloat16 cache",
+                "fp8_e4m3 cache",
+                times["fp8"].median * 1e6,
+                "bfloat16 cache",
+                times["bf16"].median * 1e6,
+                "us",
+                spread=times["fp8"].spread,
+                baseline_spread=times["bf16"].spread,
+                n=times["fp8"].n,
+                target="ratio <= 0.6",
+                max_ratio=0.6,
+            ),
+            Row(
+                SECTION,
+                f"{where}, bfloat16 cache",
+                BACKEND,
+                times["bf16"].median * 1e6,
+                "sglang torch_native",
+                times["torch_native"].median * 1e6,
+                "us",
+                spread=times["bf16"].spread,
+                baseline_spread=times["torch_native"].spread,
+                n=times["bf16"].n,
+                target="speed-up >= 5x",
+                max_ratio=1 / 5,
+            ),
+        ]
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and bridge cases")
+    parser.add_argument("--formats", action="store_true", help="only the cache formats (pages, FP8)")
     options = parser.parse_args()
-    rows = run(options.quick)
+    rows = run(options.quick, formats_only=options.formats)
     print()
     for row in rows:
         if "bandwidth" in (row.target or ""):

@@ -72,9 +72,15 @@ def dense_fixture(
     extend: tuple[int, ...],
     layout: str,
     heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM),
+    *,
+    page_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
 ) -> Any:
     """SGLang's dense-kit fixture for one batch (its pools, batch, layer and SGLang's own ``torch_native``);
-    ``heads``: query heads, KV heads, head dim."""
+    ``heads``: query heads, KV heads, head dim; ``page_size``: SGLang's ``--page-size``; ``dtype``: the model's;
+    ``kv_dtype``: an FP8 cache (SGLang's own FP8 pool, through the kit's ``fp8_fixture``, scales 1), else the
+    model's dtype."""
     num_heads, num_kv_heads, head_dim = heads
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.test.kits.attention_unittest.attention_methods.dense_attention import (
@@ -88,21 +94,22 @@ def dense_fixture(
         forward_mode=ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        page_size=1,
+        page_size=page_size,
         prefix_lens=prefix,
         extend_lens=extend,
     )
+    options = {
+        "head_dim": head_dim,
+        "hidden_size": num_heads * head_dim,
+        "max_context_len": max(p + max(extend or (1,)) for p in prefix) + 1,
+        "loc_layout": layout,
+    }
+    if kv_dtype is not None and kv_dtype != dtype:
+        from attnhost_sglang_cpu.dense import fp8_fixture
+
+        return fp8_fixture(case, kv_dtype, dtype=dtype, **options)
     with torch.no_grad():
-        return build_dense_attention_fixture(
-            _Case(),
-            case,
-            head_dim=head_dim,
-            hidden_size=num_heads * head_dim,
-            max_context_len=max(p + max(extend or (1,)) for p in prefix) + 1,
-            dtype=torch.float32,
-            device="cpu",
-            loc_layout=layout,
-        )
+        return build_dense_attention_fixture(_Case(), case, dtype=dtype, device="cpu", **options)
 
 
 def _cases(quick: bool) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]:
