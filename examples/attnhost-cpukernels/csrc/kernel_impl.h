@@ -18,6 +18,19 @@
 
 #if defined(CPUK_AVX2)
 #include <immintrin.h>
+
+namespace cpukernels {
+namespace CPUK_NAMESPACE {
+// e4m3fn bytes (zero-extended to 16 bits) as halves of 2^-8 their value: the sign moved up a bit by adding it to
+// itself before the shift (x + (x & 0x80) carries bit 7 into bit 8), S.1111.111 made a half NaN by setting its
+// exponent bits.
+static inline __attribute__((always_inline)) __m128i e4m3_half(__m128i x) {
+  const __m128i half = _mm_slli_epi16(_mm_add_epi16(x, _mm_and_si128(x, _mm_set1_epi16(0x80))), 7);
+  const __m128i nan = _mm_cmpeq_epi16(_mm_or_si128(x, _mm_set1_epi16(0x80)), _mm_set1_epi16(0xff));
+  return _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7c00)));
+}
+}  // namespace CPUK_NAMESPACE
+}  // namespace cpukernels
 #endif
 
 namespace cpukernels {
@@ -229,9 +242,7 @@ static inline void widen_row(const void* src, DType t, float scale, float* dst, 
         if (t == DType::kFp8E5M2) {
           half = _mm_slli_epi16(x, 8);
         } else {
-          const __m128i em = _mm_and_si128(x, _mm_set1_epi16(0x7f));
-          half = _mm_or_si128(_mm_slli_epi16(em, 7), _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
-          half = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00), _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)));  // NaN
+          half = e4m3_half(x);
         }
         f = _mm256_mul_ps(_mm256_cvtph_ps(half), sv);
       }
@@ -605,9 +616,7 @@ static inline __attribute__((always_inline)) vf wload(const char* row, int d, __
     if constexpr (T == DType::kFp8E5M2) {
       half = _mm_slli_epi16(x, 8);
     } else {
-      const __m128i em = _mm_and_si128(x, _mm_set1_epi16(0x7f));
-      half = _mm_or_si128(_mm_slli_epi16(em, 7), _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
-      half = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00), _mm_cmpeq_epi16(em, _mm_set1_epi16(0x7f)));
+      half = e4m3_half(x);
     }
     f = _mm256_mul_ps(_mm256_cvtph_ps(half), sv);
   }

@@ -420,3 +420,27 @@ def test_a_page_outside_the_cache_is_refused() -> None:
     kv = torch.randn(3, 2, 32, generator=gen)
     with pytest.raises(RuntimeError, match=r"page_table\[0, 1\] = \d+ .* is not a page of this layer's K/V buffers"):
         backend.forward(torch.randn(3, 4, 32, generator=gen), kv, kv, layer, batch, save_kv_cache=False)
+
+
+@pytest.mark.parametrize("cache", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dim", [128, 72, 24])
+def test_every_fp8_byte_reads_as_its_value_times_the_scale(cache: str, dim: int) -> None:
+    """All 256 bit patterns (subnormals, the largest values, NaN, e5m2's infinities) as the one key's values: a
+    zero query's output is that row, which must be exactly ``stored.to(float32) * v_scale``, on the decode path
+    (1 and 4 query rows) and the transposed-key path (16 rows)."""
+    kv_dtype = FP8[cache]
+    for heads in (1, 4, 16):
+        layer = AttentionLayer(0, heads, 1, dim, k_scale=0.75, v_scale=0.375)
+        for start in range(0, 256, dim):
+            pool = KVPool(1, 64, 1, dim, max_requests=1, max_context_len=64, dtype=kv_dtype)
+            pool.v_buffer(0).view(torch.uint8)[3] = (
+                (torch.arange(start, start + dim) % 256).to(torch.uint8).view(1, dim)
+            )
+            pool.req_to_token[0, 0] = 3
+            batch = ForwardBatch.from_lists(pool, ForwardMode.DECODE, [(0, 0, 1)], torch.tensor([3]))
+            backend = CpuPagedAttnBackend()
+            backend.init_forward_metadata(batch)
+            q = torch.zeros(1, heads, dim)
+            out = backend.forward(q, q[:, :1], q[:, :1], layer, batch, save_kv_cache=False)
+            want = (pool.v_buffer(0)[3].to(torch.float32) * layer.v_scale).expand(1, heads, dim)
+            torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
