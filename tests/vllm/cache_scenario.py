@@ -50,8 +50,8 @@ def main() -> None:
 
     vllm.plugins.load_general_plugins()
     import torch
+    from selector import selector_reasons
     from vllm.config import CacheConfig, VllmConfig
-    from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
@@ -59,22 +59,7 @@ def main() -> None:
     cls = AttentionBackendEnum["PAGED32"].get_class()
 
     def reasons(**overrides: object) -> list[str]:
-        config: dict[str, object] = dict(
-            head_size=64,
-            dtype=torch.bfloat16,
-            kv_cache_dtype="auto",
-            block_size=32,
-            use_mla=False,
-            has_sink=False,
-            use_sparse=False,
-            use_mm_prefix=False,
-            use_per_head_quant_scales=False,
-            device_capability=DeviceCapability(9, 0),
-            attn_type=AttentionType.DECODER,
-        )
-        config.update(overrides)
-        found: list[str] = cls.validate_configuration(**config)
-        return found
+        return selector_reasons(cls, **{"block_size": 32, **overrides})
 
     def builder(block_size: int, kv_cache_dtype: str = "auto") -> object:
         fp8 = kv_cache_dtype != "auto"

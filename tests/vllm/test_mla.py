@@ -28,9 +28,9 @@ from attnhost_vllm_cpu.mla import (
     mla_problem,
     one_rank_group,
 )
+from selector import selector_reasons
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.linear import ColumnParallelLinear
-from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, KVQuantMode, MLAAttentionSpec
@@ -295,22 +295,8 @@ def test_each_form_is_checked_where_vllm_calls_it(factory: type, fails: str, pas
 
 
 def reasons(name: str, **overrides: object) -> list[str]:
-    config: dict[str, object] = dict(
-        head_size=576,
-        dtype=torch.bfloat16,
-        kv_cache_dtype="auto",
-        block_size=16,
-        use_mla=True,
-        has_sink=False,
-        use_sparse=False,
-        use_mm_prefix=False,
-        use_per_head_quant_scales=False,
-        device_capability=DeviceCapability(9, 0),
-        attn_type=AttentionType.DECODER,
-    )
-    config.update(overrides)
-    found: list[str] = AttentionBackendEnum[name].get_class().validate_configuration(**config)
-    return found
+    """vLLM's selector on backend ``name`` for an MLA layer (head size 576: latent plus rope)."""
+    return selector_reasons(AttentionBackendEnum[name].get_class(), **{"head_size": 576, "use_mla": True, **overrides})
 
 
 def test_selection_accepts_mla_and_points_each_kind_at_its_name() -> None:

@@ -22,10 +22,10 @@ import pytest
 import torch
 from attnhost_vllm_cpu.forward import VARIANT_BLOCK_SIZES, VARIANTS, WINDOW, ForwardCase, check
 from attnhost_vllm_cpu.kit import Variant, make_case
+from selector import selector_reasons
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention
-from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec, SlidingWindowSpec
@@ -64,22 +64,7 @@ def impl(name: str, **overrides: Any) -> Any:
 
 
 def reasons(name: str, **overrides: object) -> list[str]:
-    config: dict[str, object] = dict(
-        head_size=64,
-        dtype=torch.bfloat16,
-        kv_cache_dtype="auto",
-        block_size=16,
-        use_mla=False,
-        has_sink=False,
-        use_sparse=False,
-        use_mm_prefix=False,
-        use_per_head_quant_scales=False,
-        device_capability=DeviceCapability(9, 0),
-        attn_type=AttentionType.DECODER,
-    )
-    config.update(overrides)
-    found: list[str] = backend(name).validate_configuration(**config)
-    return found
+    return selector_reasons(backend(name), **overrides)
 
 
 # -- vLLM's selector -------------------------------------------------------------------------------------------------
