@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "DRAFT_LAYERS",
@@ -30,6 +31,7 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "copy_tokenizer",
+    "greedy_continuations",
     "hf_greedy",
     "llama_shape",
     "prompt_ids",
@@ -201,13 +203,21 @@ def hf_greedy(
     attention, the plainest reference.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
     if AutoConfig.from_pretrained(model_dir).model_type == "llama":
         eager = {"attn_implementation": "eager"} if eager_llama else {}
         model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **eager).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    return greedy_continuations(model, prompts, new_tokens)
+
+
+def greedy_continuations(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """*model*'s greedy continuation of each prompt, in one left-padded batch (pad id 0, masked; EOS not special)."""
+    import torch
+    from transformers import GenerationConfig
+
     width = max(map(len, prompts))
     pad = 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

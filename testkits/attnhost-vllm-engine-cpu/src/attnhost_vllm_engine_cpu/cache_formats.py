@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from attnhost_hf_models.llama import greedy_continuations
+
 from attnhost_vllm_engine_cpu.engines import BASE_ENGINE_ARGS
 
 __all__ = ["FP8_FORMATS", "cache_run", "declares", "hf_greedy_fp8", "vllm_reads_fp8_on_this_cpu"]
@@ -54,7 +56,7 @@ def hf_greedy_fp8(model_dir: Path, prompts: list[list[int]], new_tokens: int, kv
     """HF transformers' greedy ids (as :func:`attnhost_hf_models.llama.hf_greedy`: float32, batched, left-padded)
     with every key and value read as an FP8 cache of ``kv_cache_dtype`` (vLLM's name) holds it, scale 1."""
     import torch
-    from transformers import AttentionInterface, AttentionMaskInterface, GenerationConfig, LlamaForCausalLM
+    from transformers import AttentionInterface, AttentionMaskInterface, LlamaForCausalLM
     from transformers.masking_utils import eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -70,13 +72,4 @@ def hf_greedy_fp8(model_dir: Path, prompts: list[list[int]], new_tokens: int, kv
     AttentionInterface.register(_ATTENTION, attention)
     AttentionMaskInterface.register(_ATTENTION, eager_mask)  # eager's additive mask (left padding), not another's
     model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=_ATTENTION).eval()
-    width = max(map(len, prompts))
-    pad = 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    config = GenerationConfig(
-        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=0, eos_token_id=None, pad_token_id=pad
-    )
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    return [row[width:].tolist() for row in out]
+    return greedy_continuations(model, prompts, new_tokens)
