@@ -71,28 +71,15 @@ def main() -> None:
     }
     if "ATTNHOST_FLEX_ATTENTION" in members or os.environ.get("ATTNHOST_VLLM_OVERRIDE") == "flex_attention":
         import torch
+        from selector import selector_reasons
         from vllm.config import AttentionConfig
-        from vllm.platforms.interface import DeviceCapability
 
         name = "FLEX_ATTENTION" if os.environ.get("ATTNHOST_VLLM_OVERRIDE") else "ATTNHOST_FLEX_ATTENTION"
         cls = members[name].get_class()
         selected = AttentionConfig(backend=name.lower()).backend
 
         def reasons(head_size: int, dtype: torch.dtype) -> list[str]:
-            found: list[str] = cls.validate_configuration(
-                head_size=head_size,
-                dtype=dtype,
-                kv_cache_dtype="auto",
-                block_size=16,
-                use_mla=False,
-                has_sink=False,
-                use_sparse=False,
-                use_mm_prefix=False,
-                use_per_head_quant_scales=False,
-                device_capability=DeviceCapability(9, 0),
-                attn_type="decoder",
-            )
-            return found
+            return selector_reasons(cls, head_size=head_size, dtype=dtype)
 
         result["adapter"] = {
             "selected": selected.name if selected is not None else None,

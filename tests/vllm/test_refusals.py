@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from attnhost_vllm_cpu.kit import BATCHES_DECODE, make_case
+from selector import selector_reasons
 from vllm.config import VllmConfig
-from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
@@ -99,27 +99,8 @@ def test_builder_refuses(spec: object, feature: str) -> None:
     assert_names_backend_and(feature, info.value)
 
 
-def device_capability() -> DeviceCapability:
-    return DeviceCapability(9, 0)
-
-
 def reasons(**overrides: object) -> list[str]:
-    config: dict[str, object] = dict(
-        head_size=64,
-        dtype=torch.bfloat16,
-        kv_cache_dtype="auto",
-        block_size=16,
-        use_mla=False,
-        has_sink=False,
-        use_sparse=False,
-        use_mm_prefix=False,
-        use_per_head_quant_scales=False,
-        device_capability=device_capability(),
-        attn_type=AttentionType.DECODER,
-    )
-    config.update(overrides)
-    result: list[str] = backend().validate_configuration(**config)
-    return result
+    return selector_reasons(backend(), **overrides)
 
 
 def test_selection_accepts_what_the_backend_declares() -> None:
