@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from attnhost_vllm_cpu.forward import ATOL, BATCHES, REJECTED, forward, problem
+from attnhost_vllm_cpu.forward import BATCHES, CACHE_BATCHES, FP8_CACHES, ForwardCase, check
 from attnhost_vllm_cpu.kit import FP8_FORMATS, make_case
 from cache_scenario import PLUGIN
 from distgen import make_dist
@@ -27,27 +27,16 @@ from helpers import subprocess_env
 from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-FP8 = ("fp8", "fp8_e5m2")
-"""vLLM's names: ``fp8`` is e4m3 (``fp8_e4m3`` maps to the same format, checked in the selector test)."""
+
+def run(name: str, batch: str, kv_cache_dtype: str, dtype: torch.dtype, block_size: int = 16) -> None:
+    """The engine kit's cache-format case (8 heads / 2 KV heads) through ``name``'s vLLM class: the kit's check,
+    whose failure names the backend, the case and the error."""
+    fcase = ForwardCase(batch, "gqa", block_size, dtype, kv_cache_dtype=kv_cache_dtype)
+    check(AttentionBackendEnum[name.upper()].get_class(), fcase, f"{name}, {fcase.describe()}")
 
 
-def run(name: str, batch: str, kv_cache_dtype: str, dtype: torch.dtype, block_size: int = 16) -> str | None:
-    case = make_case(
-        BATCHES[batch],
-        block_size=block_size,
-        num_heads=8,
-        num_kv_heads=2,
-        dtype=dtype,
-        rejected=REJECTED.get(batch),
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    before = [cache.clone() for cache in case.caches]
-    cls = AttentionBackendEnum[name.upper()].get_class()
-    return problem(case, forward(cls, case, dtype, name), before, ATOL[dtype])
-
-
-@pytest.mark.parametrize("kv_cache_dtype", FP8)
-@pytest.mark.parametrize("batch", ["mixed", "prefix_cached", "decode", "drafter_rejected"])
+@pytest.mark.parametrize("kv_cache_dtype", FP8_CACHES)
+@pytest.mark.parametrize("batch", CACHE_BATCHES)
 @pytest.mark.parametrize("name", ["torch_native", "cpu_paged"])
 def test_fp8_cache_in_blocks_of_16(name: str, batch: str, kv_cache_dtype: str) -> None:
     """Over vLLM's FP8 cache, block size 16, float32: every output against the float64 reference of the dequantised
@@ -57,14 +46,12 @@ def test_fp8_cache_in_blocks_of_16(name: str, batch: str, kv_cache_dtype: str) -
     cls = AttentionBackendEnum[name.upper()].get_class()
     if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
         pytest.skip(f"{name} does not declare {fp8} in BackendCapabilities.kv_cache_dtypes")
-    found = run(name, batch, kv_cache_dtype, torch.float32)
-    assert found is None, f"{name}, {kv_cache_dtype}: {found}"
+    run(name, batch, kv_cache_dtype, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_fp8_cache_under_half_precision_models(dtype: torch.dtype) -> None:
-    found = run("torch_native", "mixed", "fp8", dtype)
-    assert found is None, f"torch_native, fp8, {dtype}: {found}"
+    run("torch_native", "mixed", "fp8", dtype)
 
 
 def test_fp8_saturates_and_uses_the_scales() -> None:
@@ -97,8 +84,7 @@ def test_page_table_is_vllms_block_table() -> None:
 
 def test_float_caches_in_blocks_of_16_still_read_every_slot() -> None:
     """The float path with the page-size view: bfloat16, block size 16, rejected (``-1``) rows."""
-    found = run("torch_native", "drafter_rejected", "auto", torch.bfloat16)
-    assert found is None, f"torch_native, auto: {found}"
+    run("torch_native", "drafter_rejected", "auto", torch.bfloat16)
 
 
 @pytest.fixture(scope="module")

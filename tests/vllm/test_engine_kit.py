@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES
+from attnhost_vllm_cpu.suite import CACHE_CASES as KIT_CACHE_CASES
 from attnhost_vllm_cpu.suite import MLA_CASES as KIT_MLA_CASES
 from attnhost_vllm_cpu.suite import VARIANT_CASES as KIT_VARIANT_CASES
 from distgen import make_dist
@@ -27,12 +28,17 @@ from distgen import make_dist
 KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
 #: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6); the MLA cases, skipped
-#: for a backend that does not declare mla; the variant cases, skipped for a backend that declares no variant
+#: for a backend that does not declare mla; the variant cases, skipped for a backend that declares no variant; the
+#: FP8 cache cases (vLLM's three FP8 names x batches x block sizes 16 and 32 x dtypes), skipped without FP8 caches
 MLA_CASES = len(KIT_MLA_CASES)
 VARIANT_CASES = len(KIT_VARIANT_CASES)
-ALL_DTYPES = 5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES + VARIANT_CASES
+CACHE_CASES = len(KIT_CACHE_CASES)
+ALL_DTYPES = (
+    5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES + VARIANT_CASES + CACHE_CASES
+)
 MLA_BACKENDS = {"torch_native", "batched_matmul"}  # the project backends that declare mla
 VARIANT_BACKENDS = {"torch_native", "batched_matmul"}  # those that declare every variant (the others declare none)
+FP8_BACKENDS = {"torch_native", "cpu_paged"}  # those that declare both FP8 caches (the others declare none)
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''
@@ -51,6 +57,30 @@ class WrongAttnBackend(TorchNativeAttnBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
         return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache) * 1.5
+'''
+
+NO_V_SCALE = '''
+"""A plugin that reads pages of 32 and float8_e5m2 caches, but forgets the V scale: what the FP8 cases must catch."""
+import dataclasses
+
+from attnhost import BackendCapabilities
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+
+class NoVScaleBackend(TorchNativeAttnBackend):
+    """torch_native with every layer's v_scale taken as 1 (float32 models only)."""
+
+    capabilities = BackendCapabilities(
+        dtypes=("float32",), kv_cache_dtypes=("float32", "float8_e5m2"), page_sizes=(32,)
+    )
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        layer = dataclasses.replace(layer, v_scale=1.0)
+        return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+        layer = dataclasses.replace(layer, v_scale=1.0)
+        return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
 '''
 
 WRONG_LATENT = '''
@@ -146,7 +176,11 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
 def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: Path) -> None:
     status, output = one_command([name], tmp_path)
     assert status == 0, output[-4000:]
-    skipped = (0 if name in MLA_BACKENDS else MLA_CASES) + (0 if name in VARIANT_BACKENDS else VARIANT_CASES)
+    skipped = (
+        (0 if name in MLA_BACKENDS else MLA_CASES)
+        + (0 if name in VARIANT_BACKENDS else VARIANT_CASES)
+        + (0 if name in FP8_BACKENDS else CACHE_CASES)
+    )
     expected = {"passed": ALL_DTYPES - skipped, **({"skipped": skipped} if skipped else {})}
     assert counts(output) == expected, output[-2000:]
 
@@ -194,6 +228,46 @@ def test_wrong_mla_numerics_fail_naming_the_backend_its_mla_name_and_the_case(tm
         "[(5, 1), (17, 1), (1, 1), (40, 1)], block size 16, float32, latent 32 + rope 16: max abs error"
     ) in decode, decode
     assert re.search(r"max abs error \d\.\de[+-]\d\d exceeds 2e-05", decode), decode
+
+
+def test_fp8_cases_fail_a_forgotten_scale_and_skip_what_is_undeclared_by_name(tmp_path: Path) -> None:
+    """A backend declaring float32 models, float8_e5m2 caches and pages of 32 only: the e5m2 cases in blocks of 32
+    run and catch the V scale it drops; every other cache case, and the float forward cases in blocks it does not
+    read, skip in a sentence naming the backend and what it does not declare."""
+    site = tmp_path / "site"
+    make_dist(
+        site,
+        "no-v-scale",
+        "1.0",
+        {"sglang.draft_attention_backends": {"no_v_scale": "no_v_scale:NoVScaleBackend"}},
+        modules={"no_v_scale": NO_V_SCALE},
+    )
+    selected = "test_kv_cache_format or (test_forward and mixed-gqa)"
+    status, output = one_command(["no_v_scale"], tmp_path, "-k", selected, path_entries=(site,))
+    assert status == 1, output[-4000:]
+    # float32 cases only: 4 batches x e5m2 in blocks of 32 fail; the other 20 cache cases and 3 forward cases skip
+    ran = len(KIT_CACHE_CASES) + len(BLOCK_SIZES) * len(DTYPES)
+    assert counts(output) == {"failed": 4, "skipped": ran - 4, "deselected": ALL_DTYPES - ran}, output[-2000:]
+    failed = [line for line in output.splitlines() if line.startswith("FAILED")]
+    assert all("test_kv_cache_format[no_v_scale-fp8_e5m2-" in line and "-block32-float32]" in line for line in failed)
+    decode = next(line for line in failed if "fp8_e5m2-decode-block32" in line)
+    assert (
+        "vLLM forward of attnhost backend 'no_v_scale' (vLLM NO_V_SCALE), decode batch [(5, 1), (17, 1), (1, 1), "
+        "(40, 1)], 8 heads / 2 KV heads, block size 32, float32, LBNHC KV cache of float8_e5m2 (--kv-cache-dtype "
+        "fp8_e5m2): "
+    ) in decode, decode
+    skipped = "\n".join(line for line in output.splitlines() if line.startswith("SKIPPED"))
+    who = "backend 'no_v_scale' does not declare"
+    for reason in (
+        f"{who} an FP8 KV cache of dtype float8_e4m3fn (it reads KV caches of float32, float8_e5m2; "
+        "BackendCapabilities.kv_cache_dtypes): vLLM refuses --kv-cache-dtype fp8 --block-size 32 with it",
+        f"{who} KV-cache page size 16 (it reads page sizes 32; BackendCapabilities.page_sizes): vLLM refuses "
+        "--kv-cache-dtype fp8_e5m2 --block-size 16 with it",
+        f"{who} KV-cache page size 4 (it reads page sizes 32; BackendCapabilities.page_sizes): vLLM refuses "
+        "--block-size 4 with it",
+        f"{who} bfloat16 (dtypes = ('float32',))",
+    ):
+        assert reason in skipped, skipped
 
 
 def test_an_unknown_name_fails_once_with_the_registrys_message(tmp_path: Path) -> None:

@@ -21,13 +21,16 @@ from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionType
 
 from attnhost.backend import dtype_name
-from attnhost_vllm_cpu.kit import PLAIN, Case, Variant, make_case
+from attnhost_vllm_cpu.kit import FP8_FORMATS, PLAIN, Case, Variant, make_case
 
 __all__ = [
     "ATOL",
     "BATCHES",
     "BLOCK_SIZES",
+    "CACHE_BATCHES",
+    "CACHE_BLOCK_SIZES",
     "DTYPES",
+    "FP8_CACHES",
     "SHAPES",
     "VARIANTS",
     "VARIANT_BLOCK_SIZES",
@@ -76,6 +79,13 @@ VARIANTS: dict[str, tuple[list[tuple[int, int]], Variant]] = {
 heads; the windows in vLLM's terms, ``W`` keys)."""
 VARIANT_BLOCK_SIZES = (1, 16)
 """Block size 1 nulls every token before a window; 16 keeps whole blocks of keys outside it readable."""
+FP8_CACHES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's ``--kv-cache-dtype`` names of FP8 caches (``fp8`` and ``fp8_e4m3`` are both e4m3: each name must reach
+the backend as that format)."""
+CACHE_BATCHES = ("mixed", "prefix_cached", "decode", "drafter_rejected")
+"""The batches of the FP8 cases: a prefix read back from the FP8 cache, new rows written into it, ``-1`` slots."""
+CACHE_BLOCK_SIZES = (16, 32)
+"""vLLM's default block size, and one whose pages hold more than most of the batches' prefixes."""
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 """Tolerance against the float64 reference (absolute, and as much again relative to the reference)."""
 
@@ -91,6 +101,13 @@ class ForwardCase:
     layout: str = "LBNHC"
     variant: str | None = None
     """A key of :data:`VARIANTS` (its requests replace ``batch``'s), or ``None`` for plain causal attention."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's ``--kv-cache-dtype``: ``auto`` (the model's dtype) or one of :data:`FP8_CACHES`."""
+
+    @property
+    def cache_dtype_name(self) -> str:
+        """The dtype the cache stores, as capabilities name it (``float8_e4m3fn`` for ``fp8``)."""
+        return dtype_name(FP8_FORMATS.get(self.kv_cache_dtype, self.dtype))
 
     @property
     def requests(self) -> list[tuple[int, int]]:
@@ -105,8 +122,13 @@ class ForwardCase:
         what = f"{self.batch} batch" if self.variant is None else f"{self.variant} ({self.attention.describe()}) batch"
         return (
             f"{what} {self.requests}, {heads} heads / {kv_heads} KV heads, block size "
-            f"{self.block_size}, {dtype_name(self.dtype)}, {self.layout} KV cache"
+            f"{self.block_size}, {dtype_name(self.dtype)}, {self.layout} KV cache{self._cache_format()}"
         )
+
+    def _cache_format(self) -> str:
+        if self.kv_cache_dtype == "auto":
+            return ""
+        return f" of {self.cache_dtype_name} (--kv-cache-dtype {self.kv_cache_dtype})"
 
     def make(self) -> Case:
         from vllm.v1.kv_cache_interface import KVCacheLayout
@@ -121,6 +143,7 @@ class ForwardCase:
             layout=KVCacheLayout[self.layout],
             rejected=REJECTED.get(self.batch),
             variant=self.attention,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
 

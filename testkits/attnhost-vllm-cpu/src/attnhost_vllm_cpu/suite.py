@@ -17,9 +17,17 @@ has no CPU ``vllm._C``, so no model runs; against each backend, what does:
   the same backend class before any plugin loads there;
 * the forward on vLLM's ``CommonAttentionMetadata`` and ``allocate_kv_cache``
   cache: prefill, decode, mixed and prefix-cached batches, MHA/GQA/MQA, block
-  sizes 1, 4 and 16, against a float64 reference, in each dtype NAME declares
-  (the others skip with the reason), K/V written exactly where
-  ``slot_mapping`` says and nowhere else;
+  sizes 1, 4 and 16, against a float64 reference, in each dtype and block
+  size NAME declares (the others skip with the reason), K/V written exactly
+  where ``slot_mapping`` says and nowhere else;
+* vLLM's FP8 caches (``--kv-cache-dtype`` ``fp8``, ``fp8_e4m3``,
+  ``fp8_e5m2``: its ``uint8`` allocation, the layer's ``_k_scale`` /
+  ``_v_scale``): mixed, prefix-cached, decode and drafter-rejected batches in
+  blocks of 16 and 32, each declared dtype, against the float64 reference over
+  the dequantised cache, the new rows' bytes as the contract's quantising
+  write; a float8 format or block size NAME does not declare
+  (``BackendCapabilities.kv_cache_dtypes`` / ``page_sizes``) skips, naming
+  both, since vLLM refuses that configuration;
 * the attention variants vLLM hands an impl (``sliding_window``,
   ``logits_soft_cap``, ``sinks``) and its non-causal batches: a windowed
   decode at the window's edge, an extend over a prefix the window crosses
@@ -71,7 +79,10 @@ from attnhost_vllm_cpu import config as vllm_config  # noqa: E402
 from attnhost_vllm_cpu.forward import (  # noqa: E402
     BATCHES,
     BLOCK_SIZES,
+    CACHE_BATCHES,
+    CACHE_BLOCK_SIZES,
     DTYPES,
+    FP8_CACHES,
     SHAPES,
     VARIANT_BLOCK_SIZES,
     VARIANTS,
@@ -79,6 +90,7 @@ from attnhost_vllm_cpu.forward import (  # noqa: E402
     check,
     dtype_name,
 )
+from attnhost_vllm_cpu.kit import FP8_FORMATS  # noqa: E402
 from attnhost_vllm_cpu.mla import MLA_BATCHES, MLA_SHAPE, mla_check, one_rank_group  # noqa: E402
 from attnhost_vllm_cpu.registration import (  # noqa: E402
     ENTRY_POINT,
@@ -110,6 +122,16 @@ VARIANT_CASES = [
     for variant in VARIANTS
     for block in VARIANT_BLOCK_SIZES
 ]
+CACHE_CASES = [
+    pytest.param(
+        ForwardCase(batch, "gqa", block, dtype, kv_cache_dtype=kv_cache_dtype),
+        id=f"{kv_cache_dtype}-{batch}-block{block}-{dtype_name(dtype)}",
+    )
+    for kv_cache_dtype in FP8_CACHES
+    for dtype in DTYPES
+    for batch in CACHE_BATCHES
+    for block in CACHE_BLOCK_SIZES
+]
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 MLA_BLOCK_SIZES = (1, 16)
 MLA_CASES = [
@@ -137,6 +159,24 @@ def _capabilities(backend: VllmBackend) -> Any:
 
 def _declared_dtypes(backend: VllmBackend) -> tuple[str, ...]:
     return tuple(_capabilities(backend).dtypes)
+
+
+def _skip_undeclared(backend: VllmBackend, dtype: Any, block_size: int, kv_cache_dtype: str = "auto") -> None:
+    """Skip a case whose model dtype, block size or cache format the backend does not declare, in a sentence naming
+    the backend and what it does not declare (vLLM's selector and the adapter refuse such a configuration)."""
+    capabilities = _capabilities(backend)
+    declared = tuple(capabilities.dtypes)
+    if dtype_name(dtype) not in declared:
+        pytest.skip(f"backend {backend.attnhost_name!r} does not declare {dtype_name(dtype)} (dtypes = {declared})")
+    fp8 = FP8_FORMATS.get(kv_cache_dtype)
+    reason = capabilities.cache_refusal(kv_dtype=None if fp8 is None else dtype_name(fp8), page_size=block_size)
+    if reason is not None:
+        flag = (
+            f"--block-size {block_size}"
+            if fp8 is None
+            else f"--kv-cache-dtype {kv_cache_dtype} --block-size {block_size}"
+        )
+        pytest.skip(f"backend {backend.attnhost_name!r} does not declare {reason}: vLLM refuses {flag} with it")
 
 
 def _class_path(member: Any) -> str:
@@ -264,11 +304,7 @@ class TestVllmEngine:
     @pytest.mark.parametrize("fcase", FORWARD_CASES)
     def test_forward(self, attnhost_backend_name: str, fcase: ForwardCase) -> None:
         backend = _backend(attnhost_backend_name)
-        declared = _declared_dtypes(backend)
-        if dtype_name(fcase.dtype) not in declared:
-            pytest.skip(
-                f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
-            )
+        _skip_undeclared(backend, fcase.dtype, fcase.block_size)
         failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
         if failure is not None:
             pytest.fail(str(failure), pytrace=False)
@@ -283,12 +319,23 @@ class TestVllmEngine:
                     f"backend {backend.attnhost_name!r} does not declare {flag} (capabilities.{flag} = False): "
                     "vLLM refuses such layers when it builds the model"
                 )
-        declared = tuple(capabilities.dtypes)
-        if dtype_name(fcase.dtype) not in declared:
-            pytest.skip(
-                f"backend {backend.attnhost_name!r} does not declare {dtype_name(fcase.dtype)} (dtypes = {declared})"
-            )
+        _skip_undeclared(backend, fcase.dtype, fcase.block_size)
         failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
+        if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
+
+    @pytest.mark.parametrize("fcase", CACHE_CASES)
+    def test_kv_cache_format(self, attnhost_backend_name: str, fcase: ForwardCase) -> None:
+        backend = _backend(attnhost_backend_name)
+        _skip_undeclared(backend, fcase.dtype, fcase.block_size, fcase.kv_cache_dtype)
+        cls = backend.member.get_class()
+        if fcase.kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            pytest.fail(
+                f"{backend.label} declares {fcase.cache_dtype_name} caches, but vLLM's supported_kv_cache_dtypes "
+                f"{cls.supported_kv_cache_dtypes} lack {fcase.kv_cache_dtype}: vLLM's selector would refuse it",
+                pytrace=False,
+            )
+        failure = _failure(cls, fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
         if failure is not None:
             pytest.fail(str(failure), pytrace=False)
 
@@ -300,6 +347,7 @@ class TestVllmEngine:
         cls = backend.member.get_class()
         dtype = next(d for d in DTYPES if dtype_name(d) in _declared_dtypes(backend))
         fcase = ForwardCase("mixed", "gqa", 16, dtype, layout)
+        _skip_undeclared(backend, dtype, fcase.block_size)
         what = f"vLLM forward of {backend.label}, {fcase.describe()}"
         declared = KVCacheLayout[layout] in cls.supported_kv_cache_layouts()
         failure = _failure(cls, fcase, what)
@@ -328,9 +376,7 @@ class TestVllmEngine:
         name = mla_name(backend.engine_name)
         if name is None:
             pytest.fail(f"{backend.label} declares mla, but attnhost registered no MLA name for it", pytrace=False)
-        declared = _declared_dtypes(backend)
-        if dtype_name(dtype) not in declared:
-            pytest.skip(f"backend {backend.attnhost_name!r} does not declare {dtype_name(dtype)} (dtypes = {declared})")
+        _skip_undeclared(backend, dtype, block_size)
         what = (
             f"vLLM MLA forward of {backend.label} as {name}, {batch} batch {MLA_BATCHES[batch]}, block size "
             f"{block_size}, {dtype_name(dtype)}, latent {MLA_SHAPE.kv_lora_rank} + rope {MLA_SHAPE.qk_rope_head_dim}"
