@@ -19,9 +19,10 @@ from pathlib import Path
 from attnhost_sglang_cpu.dense import DTYPES, dense_cases
 from helpers import guide_block, kit_run_problems, plugin_guide, subprocess_env
 
-#: The suite's engine cases: plain engine, tp_size=2, speculative chain (the guide's backend declares neither tree
-#: masks nor non_causal, so the tree and DFLASH skip).
-ENGINE_CASES = 3
+#: The suite's engine cases: plain engine, tp_size=2 and speculative chain, each also with --page-size 16 (the guide's
+#: backend declares any page size, but neither tree masks, non_causal nor the variants' flags, so the trees, DFLASH
+#: and the variant models skip).
+ENGINE_CASES = 6
 
 
 def _author_package(root: Path, *, wrong_numerics: bool = False) -> Path:
@@ -56,7 +57,7 @@ def _install_and_run(
         text=True,
         cwd=workdir,
         env=subprocess_env([site], {"XDG_CACHE_HOME": str(tmp_path / "cache"), "COLUMNS": "400"}),
-        timeout=1500,
+        timeout=1800,  # a hang guard: the kit's engine runs, two with two ranks, on busy cores
     )
 
 

@@ -22,6 +22,8 @@ from attnhost_sglang_cpu.procs import Finished, run_in_group
 SGLANG_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 SGLANG_TRITON = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
 ADAPTER = "attnhost.engines.sglang.adapter.SGLangAdapterBackend"
+#: SGLang's hybrid sliding-window pool: the window layers' keys in a smaller pool of their own.
+SGLANG_SWA_POOL = "sglang.srt.mem_cache.swa_memory_pool.SWAKVPool"
 #: attnhost's adapter for a model runner of an MLA model (DeepSeek, Kimi).
 MLA_ADAPTER = "attnhost.engines.sglang.mla.SGLangMLAAdapterBackend"
 
