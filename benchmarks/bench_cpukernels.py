@@ -107,8 +107,9 @@ class Setup:
                 backend.forward(self.q, self.k, self.v, self.layer, self.batch)  # first forward converts the layer
             expected = self.backends["sglang torch_native"].forward(self.q, self.k, self.v, self.layer, self.batch)
             got = self.backends[BACKEND].forward(self.q, self.k, self.v, self.layer, self.batch)
-        tolerance = 2e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        # float32: the two agree to rounding; a 16-bit output: to about one unit in its last place
+        atol, rtol = (2e-4, 2e-4) if dtype == torch.float32 else (2e-3, 1.6e-2)
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol)
 
     def call(self, name: str) -> Callable[[], object]:
         backend, args = self.backends[name], (self.q, self.k, self.v, self.layer, self.batch)

@@ -98,10 +98,13 @@ def dense_fixture(
         prefix_lens=prefix,
         extend_lens=extend,
     )
+    # SGLang's kit gives request i the slots from page_size + i * max_context_len on: a whole number of pages
+    # each, or a request's pages would straddle two of the pool's (which SGLang's paged allocator never does)
+    context = max(p + max(extend or (1,)) for p in prefix) + 1
     options = {
         "head_dim": head_dim,
         "hidden_size": num_heads * head_dim,
-        "max_context_len": max(p + max(extend or (1,)) for p in prefix) + 1,
+        "max_context_len": -(-context // page_size) * page_size,
         "loc_layout": layout,
     }
     if kv_dtype is not None and kv_dtype != dtype:
