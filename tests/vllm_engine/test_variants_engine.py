@@ -7,7 +7,8 @@ prefix-cached second pass, returns HF transformers' greedy ids (eager attention)
 any of those features is switched off (:func:`attnhost_vllm_engine_cpu.variant_models.prepare` asserts it). The
 ``tiny`` example declares none of them: vLLM refuses the Gemma 2 with it while building the model, with
 attnhost's one sentence naming the backend and the feature. All engines share one driver process (one import
-of vLLM).
+of vLLM), each with vLLM's engine core in that process (single-rank runs: no engine core process importing vLLM
+again).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 pytest.importorskip("attnhost_vllm_engine_cpu", reason="the test-only vLLM CPU engine kit is not installed")
 
-from attnhost_vllm_engine_cpu.engines import NEW_TOKENS, batches_seen, paths_seen, run_engines
+from attnhost_vllm_engine_cpu.engines import IN_PROCESS, NEW_TOKENS, batches_seen, paths_seen, run_engines
 from attnhost_vllm_engine_cpu.variant_models import VariantModel, prepare, variant_run
 
 from attnhost.engines.vllm.names import vllm_name
@@ -41,7 +42,7 @@ def test_variant_models_generate_hf_greedy_ids(tmp_path: Path) -> None:
     # the refused engine between served ones: a refusal stops that engine only
     runs.insert(1, variant_run(models["gemma2"], vllm_name(REFUSING), NEW_TOKENS))
     served = [0, 2, 3]
-    outcome = run_engines(models["gemma2"].path, runs, tmp_path / "engines")
+    outcome = run_engines(models["gemma2"].path, runs, tmp_path / "engines", **IN_PROCESS)
 
     for index, (kind, backend) in zip(served, SERVED, strict=True):
         model = models[kind]
