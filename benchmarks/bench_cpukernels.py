@@ -94,8 +94,8 @@ class Setup:
         self.q = torch.randn(tokens, HEADS * HEAD_DIM).to(dtype)
         self.k = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
         self.v = torch.randn(tokens, KV_HEADS, HEAD_DIM).to(dtype)
-        size = self.kv_element_size = (kv_dtype or dtype).itemsize
-        self.kv_bytes = (sum(prefix) + tokens) * KV_HEADS * HEAD_DIM * size * 2
+        self.keys = sum(prefix) + tokens  # per KV head, over the batch
+        self.kv_bytes = self.keys * KV_HEADS * HEAD_DIM * (kv_dtype or dtype).itemsize * 2
         self.backends = {
             "sglang torch_native": fixture.backend,
             "attnhost_torch_native": ATTENTION_BACKENDS["attnhost_torch_native"](self.runner),
@@ -358,22 +358,15 @@ def cache_formats(stream: torch.Tensor, rounds: int, log: Callable[[str], None])
 def decode_macs(setup: Setup) -> int:
     """Multiply-adds of one decode: each key of each KV head against the group's query rows, once for the scores
     and once for the values."""
-    keys = setup.kv_bytes // (KV_HEADS * HEAD_DIM * setup.kv_element_size * 2)
-    return keys * KV_HEADS * (HEADS // KV_HEADS) * HEAD_DIM * 2
+    return setup.keys * KV_HEADS * (HEADS // KV_HEADS) * HEAD_DIM * 2
 
 
 def gemm_mac_rate(n: int = 256, rounds: int = 15) -> float:
     """Float32 multiply-adds per second of torch's GEMM (its BLAS, tuned to this CPU) on the current threads: the
-    arithmetic rate a well-tuned float32 kernel reaches here, best of ``rounds``."""
-    import time
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return n**3 / best
+    arithmetic rate a well-tuned float32 kernel reaches here, best of ``rounds`` (the highest rate: the floor it
+    gives is the least any float32 kernel could need)."""
+    timer = per_call(torch.mm, 1, torch.randn(n, n), torch.randn(n, n))
+    return n**3 / min(timer() for _ in range(rounds))
 
 
 def main() -> int:
