@@ -8,6 +8,7 @@ syncs with the device for a shape.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterable, Sequence
@@ -247,6 +248,13 @@ class ForwardBatch:
     ``[j, k]`` is True when new token ``j`` may attend to new token ``k`` of its request. The prefix is always
     visible; a token that sees no key at all (its row all False, no prefix) gets an output of zeros. ``None``:
     causal among the new tokens, as in every other batch."""
+    host_lengths_exact: bool = True
+    """Whether ``seq_lens_cpu`` and ``prefix_lens_cpu`` are the lengths themselves (``True``: every eager batch of
+    an engine whose host copies are exact) or only upper bounds of the device's ``seq_lens`` / ``prefix_lens``
+    (``False``): a captured graph's batch, whose lengths change on the device between replays, or a speculative
+    worker's whose host copy is a planning bound. ``extend_seq_lens_cpu`` is always exact. Only a backend that
+    declares ``BackendCapabilities.cuda_graph`` is handed bounds (docs/graphs.md); every other one gets
+    :meth:`with_exact_host_lengths`."""
     batch_size: int = field(init=False)
     num_new_tokens: int = field(init=False)
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
@@ -280,6 +288,16 @@ class ForwardBatch:
             raise ValueError("ForwardBatch: a DECODE batch brings exactly one new token per request")
         if self.tree_mask is not None:
             _check_tree_mask("ForwardBatch", self.forward_mode, self.extend_seq_lens_cpu, self.tree_mask)
+
+    def with_exact_host_lengths(self) -> ForwardBatch:
+        """This batch with exact host lengths, read from the device's ``seq_lens`` where the host's are bounds: one
+        device-to-host read, on behalf of a backend that plans from exact host lengths (one that does not declare
+        ``cuda_graph``); the batch itself where they are already exact."""
+        if self.host_lengths_exact:
+            return self
+        seq: tuple[int, ...] = tuple(self.seq_lens.tolist())
+        prefix = tuple(s - e for s, e in zip(seq, self.extend_seq_lens_cpu, strict=True))
+        return dataclasses.replace(self, seq_lens_cpu=seq, prefix_lens_cpu=prefix, host_lengths_exact=True)
 
     @functools.cached_property
     def page_table(self) -> torch.Tensor:

@@ -102,16 +102,19 @@ def test_target_verify_on_sglangs_own_verify_kit(
 
 
 def test_tree_masks_in_both_sglang_layouts_become_the_contracts_blocks() -> None:
-    """FULL_MASK (prefix columns first) and QLEN_ONLY give the same per-request blocks; other sizes: None."""
+    """FULL_MASK (prefix columns first) and QLEN_ONLY give the same per-request blocks; another size does not fit."""
     committed, n = (2, 3), 3
     blocks = [torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]]), torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]])]
     pairs = zip(committed, blocks, strict=True)
     rows = [torch.cat([torch.ones(n, seq, dtype=torch.bool), b.bool()], dim=1) for seq, b in pairs]
     full = torch.cat([row.reshape(-1) for row in rows])
     qlen = torch.cat([b.bool().reshape(-1) for b in blocks])
-    assert torch.equal(tree_blocks(full, committed, n), qlen)
-    assert torch.equal(tree_blocks(qlen, committed, n), qlen)
-    assert tree_blocks(full[:-1], committed, n) is None
+    device_committed = torch.tensor(committed)
+    blocks_of_full, fits = tree_blocks(full, device_committed, n)
+    assert torch.equal(blocks_of_full, qlen) and fits is not None and bool(fits)
+    assert torch.equal(tree_blocks(qlen, device_committed, n)[0], qlen)
+    misfit = tree_blocks(full[:-1], device_committed, n)[1]
+    assert misfit is not None and not bool(misfit)
 
 
 def _draft_extend_fixture(backend: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]

@@ -93,9 +93,11 @@ class BatchedMatmulAttnBackend(AttentionBackend):
     """Padded, masked, batched matmul attention over a token-slot KV cache."""
 
     # tree_mask: it honours ForwardBatch.tree_mask (trees, not only chains); mla: both MLA forms (docs/mla.md);
-    # the four attention variants (docs/variants.md), in any combination and every forward mode
+    # the four attention variants (docs/variants.md), in any combination and every forward mode; cuda_graph: it
+    # reads no device value on the host and plans from host bounds where the engine has no exact lengths
+    # (docs/graphs.md), every shape fixed by the host's counts
     capabilities = BackendCapabilities(
-        tree_mask=True, mla=True, sliding_window=True, logit_cap=True, sinks=True, non_causal=True
+        cuda_graph=True, tree_mask=True, mla=True, sliding_window=True, logit_cap=True, sinks=True, non_causal=True
     )
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
@@ -103,16 +105,23 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         self._metadata: _Metadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Build the padded query layout once per batch; each layer kind's keys and mask come at its first layer."""
+        """Build the padded query layout once per batch; each layer kind's keys and mask come at its first layer.
+        Nothing is read from the device: the new tokens' counts are exact on the host, and every length that may
+        be only a bound there (``host_lengths_exact``) is used as a tensor."""
         if forward_batch.batch_size == 0:
             self._metadata = None
             return
         device = forward_batch.kv_pool.device
-        max_queries = max(forward_batch.extend_seq_lens_cpu)
+        lens = forward_batch.extend_seq_lens_cpu
+        max_queries = max(lens)
         query_idx = torch.arange(max_queries, device=device)
         query_valid = query_idx.unsqueeze(0) < forward_batch.extend_seq_lens.unsqueeze(1)  # [B, T]
-        query_rows = query_valid.flatten().nonzero().squeeze(1)  # once per batch, not a boolean scatter per layer
-        prefixed = next(((i, n) for i, n in enumerate(forward_batch.prefix_lens_cpu) if n), None)
+        # where each real query sits in the padded layout: from the exact host counts, not a nonzero() (a read)
+        rows = [b * max_queries + t for b, n in enumerate(lens) for t in range(n)]
+        query_rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        prefixed = None
+        if forward_batch.host_lengths_exact:
+            prefixed = next(((i, n) for i, n in enumerate(forward_batch.prefix_lens_cpu) if n), None)
         self._metadata = _Metadata(forward_batch, query_valid, query_rows, prefixed, {})
 
     def _plan(self, forward_batch: ForwardBatch) -> _Metadata:
@@ -195,6 +204,12 @@ class BatchedMatmulAttnBackend(AttentionBackend):
     ) -> Tensor:
         """MLA's MHA form: causal attention over the ``k``/``v`` arguments; the caller has written the latent."""
         meta = self._plan(forward_batch)
+        if not forward_batch.host_lengths_exact:  # bounds on the host: the device says whether a prefix is cached
+            torch._assert_async(
+                (forward_batch.prefix_lens == 0).all(),
+                "batched_matmul: MLA's MHA form attends over its k/v arguments only, but a request of this batch has "
+                "a cached prefix; call the absorbed form (an MLAForm.ABSORBED layer) for requests with a prefix",
+            )
         if meta.prefixed is not None:
             request, prefix = meta.prefixed
             raise ValueError(
@@ -256,15 +271,17 @@ def _plan_keys(forward_batch: ForwardBatch, query_valid: torch.Tensor, layer: At
         )
     device = forward_batch.kv_pool.device
     batch, max_queries = query_valid.shape
-    starts = [max(0, p - window) if window >= 0 else 0 for p in forward_batch.prefix_lens_cpu]
-    max_keys = max(s - a for s, a in zip(forward_batch.seq_lens_cpu, starts, strict=True))
+    prefix = forward_batch.prefix_lens.unsqueeze(1)  # [B, 1], the device's (the host's may be bounds)
+    extend = forward_batch.extend_seq_lens_cpu
+    if window >= 0:  # a request reads at most window + its new tokens, and never past its (bounded) length
+        spans = (min(s, window + e) for s, e in zip(forward_batch.seq_lens_cpu, extend, strict=True))
+        start = (prefix - window).clamp_(min=0)  # [B, 1]: no query sees a key before it
+    else:
+        spans, start = iter(forward_batch.seq_lens_cpu), None
+    max_keys = max(spans)
     columns = torch.arange(max_keys, device=device)
     rows = forward_batch.kv_pool.req_to_token.index_select(0, forward_batch.req_pool_indices)
-    prefix = forward_batch.prefix_lens.unsqueeze(1)  # [B, 1]
-    if any(starts):
-        key_idx = torch.tensor(starts, dtype=torch.int64, device=device).unsqueeze(1) + columns  # [B, L]
-    else:
-        key_idx = columns.expand(batch, max_keys)
+    key_idx = columns.expand(batch, max_keys) if start is None else start + columns  # [B, L]
     last = forward_batch.seq_lens.unsqueeze(1) - 1
     key_valid = key_idx <= last
     # A padding column reads the request's last key again, never a slot of another request or outside the window:
@@ -275,12 +292,16 @@ def _plan_keys(forward_batch: ForwardBatch, query_valid: torch.Tensor, layer: At
         visible = key_idx.unsqueeze(1) <= query_idx.unsqueeze(-1)  # [B, T, L]
     else:
         visible = key_valid.unsqueeze(1).expand(batch, max_queries, max_keys).clone()
-    if tree:
-        _apply_tree(visible, forward_batch, starts)
+    squares = _tree_squares(forward_batch, max_queries, device) if tree else None
+    if squares is not None:  # each request's new-token columns: its block of the tree mask, placed on the device
+        new = (key_idx - prefix).clamp(0, max_queries - 1)  # [B, L]: a key's index among the new tokens
+        is_new = (key_idx >= prefix) & (key_idx - prefix < forward_batch.extend_seq_lens.unsqueeze(1))
+        among_new = squares.gather(2, new.unsqueeze(1).expand(batch, max_queries, max_keys))
+        visible = torch.where(is_new.unsqueeze(1), among_new, visible)
     if window >= 0:
         key_pos, query_pos = key_idx, query_idx
-        if tree:  # a new token's position is its prefix plus its depth in the tree
-            depth = _tree_depths(forward_batch, max_queries, device)
+        if squares is not None:  # a new token's position is its prefix plus its depth in the tree
+            depth = squares.sum(dim=2) - squares.diagonal(dim1=1, dim2=2).to(torch.int64)  # [B, T] ancestors
             query_pos = prefix + depth
             new = (key_idx - prefix).clamp(0, max_queries - 1)
             key_pos = torch.where(key_idx >= prefix, prefix + depth.gather(1, new), key_idx)
@@ -290,31 +311,19 @@ def _plan_keys(forward_batch: ForwardBatch, query_valid: torch.Tensor, layer: At
     visible |= ~query_valid.unsqueeze(-1) & first  # padding queries keep a finite softmax; they are never returned
     blind = None
     if tree:  # only a tree row can see nothing: a causal or bidirectional query always sees itself
-        seen = visible.any(dim=-1, keepdim=True)  # [B, T, 1]
-        if not bool(seen.all()):  # one sync per tree batch and layer kind
-            visible |= ~seen & first  # it reads key 0, so softmax never sees an all-masked row
-            blind = ~seen.squeeze(-1)
+        seen = visible.any(dim=-1, keepdim=True)  # [B, T, 1], kept on the device: no read
+        visible |= ~seen & first  # it reads key 0, so softmax never sees an all-masked row
+        blind = ~seen.squeeze(-1)
     return _Keys(key_slots, ~visible, blind)
 
 
-def _apply_tree(visible: torch.Tensor, forward_batch: ForwardBatch, starts: list[int]) -> None:
-    """Overwrite each request's new-token columns of ``visible`` with its block of the tree mask."""
+def _tree_squares(forward_batch: ForwardBatch, max_queries: int, device: torch.device) -> torch.Tensor:
+    """``[B, T, T]`` bool: request ``b``'s ``new x new`` block of the tree mask in its top-left corner, padding
+    False (the blocks' sizes are the exact host counts of new tokens: nothing is read)."""
     assert forward_batch.tree_mask is not None
     lens = forward_batch.extend_seq_lens_cpu
     blocks = forward_batch.tree_mask.split_with_sizes([new * new for new in lens])
-    for b, (prefix, new, start, block) in enumerate(
-        zip(forward_batch.prefix_lens_cpu, lens, starts, blocks, strict=True)
-    ):
-        visible[b, :new, prefix - start : prefix - start + new] = block.view(new, new)
-
-
-def _tree_depths(forward_batch: ForwardBatch, max_queries: int, device: torch.device) -> torch.Tensor:
-    """``[B, T]``: each new token's number of ancestors (its tree row without itself); padding 0."""
-    assert forward_batch.tree_mask is not None
-    lens = forward_batch.extend_seq_lens_cpu
-    blocks = forward_batch.tree_mask.split_with_sizes([new * new for new in lens])
-    depth = torch.zeros((len(lens), max_queries), dtype=torch.int64, device=device)
+    squares = torch.zeros((len(lens), max_queries, max_queries), dtype=torch.bool, device=device)
     for b, (new, block) in enumerate(zip(lens, blocks, strict=True)):
-        square = block.view(new, new)
-        depth[b, :new] = square.sum(dim=1) - square.diagonal().to(torch.int64)
-    return depth
+        squares[b, :new, :new] = block.view(new, new)
+    return squares

@@ -65,7 +65,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode as SGLangFo
 from torch import Tensor
 
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend, dtype_name
-from attnhost.engines.batch_checks import BatchFacts, check_lengths, check_slots, read_batch_facts
+from attnhost.engines.batch_checks import check_device_batch, check_host_lengths
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.sglang.model_checks import attention_layers, dropped_window, model_name, warn_once_per_runner
 from attnhost.errors import (
@@ -103,62 +103,63 @@ _REFUSED_MODES = {
 ENGINE_BUG = "report this to SGLang's maintainers with the command that produced it"
 
 
-def ints(cpu: Tensor | None, tensor: Tensor) -> tuple[int, ...]:
-    """A length tensor's values, from SGLang's host copy when it has one (no device sync)."""
-    return tuple((cpu if cpu is not None else tensor).tolist())
+def host_ints(cpu: Any) -> tuple[int, ...]:
+    """One of SGLang's host copies (a CPU tensor or a list) as ints: never a device read."""
+    return tuple(int(n) for n in (cpu.tolist() if isinstance(cpu, Tensor) else cpu))
 
 
 def slot_table(
     req_to_token: Tensor,
     req_pool_indices: Tensor,
-    prefix_cpu: tuple[int, ...],
+    prefix_lens: Tensor,
+    prefix_bounds: tuple[int, ...],
     extend_cpu: tuple[int, ...],
     out_cache_loc: Tensor,
 ) -> Tensor:
-    """The key slots of a speculative batch, one row per batch row: its request's first ``prefix`` slots of
+    """The key slots of a speculative batch, one row per batch row: its request's first ``prefix_lens`` slots of
     ``req_to_token``, then the slots of its new tokens, which are ``out_cache_loc`` in order.
 
     SGLang's own backends read a speculative batch's new keys from the write slots (``k``/``v`` of the
     forward), not from ``req_to_token``, which may place them elsewhere (a tree's branches) or not yet at all;
     the contract's backends read every key through ``req_to_token``, so the adapter hands them this table.
-    Two rows may name one request (the draft's tree branches share their prefix). It is built once per
-    batch (a few hundred integers), never per layer.
+    Two rows may name one request (the draft's tree branches share their prefix). The prefixes are the device's
+    (``prefix_lens``), placed on the device, so no length is read on the host; the table's width comes from the
+    host's bounds of them (``prefix_bounds``). It is built once per batch (a few hundred integers), never per layer.
     """
-    width = max(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True))
-    table = req_to_token.new_zeros((len(prefix_cpu), width))
-    longest = min(max(prefix_cpu), req_to_token.shape[1])
+    width = max(p + e for p, e in zip(prefix_bounds, extend_cpu, strict=True))
+    table = req_to_token.new_zeros((len(prefix_bounds), width))
+    longest = min(max(prefix_bounds), req_to_token.shape[1])
     if longest:
         table[:, :longest] = req_to_token.index_select(0, req_pool_indices.to(torch.int64))[:, :longest]
-    rows = [row for row, e in enumerate(extend_cpu) for _ in range(e)]
-    cols = [p + j for p, e in zip(prefix_cpu, extend_cpu, strict=True) for j in range(e)]
     device = req_to_token.device
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    table.index_put_(index, out_cache_loc.to(device=device, dtype=table.dtype))
+    rows = torch.tensor([row for row, e in enumerate(extend_cpu) for _ in range(e)], device=device)
+    steps = torch.tensor([j for e in extend_cpu for j in range(e)], device=device)
+    cols = prefix_lens.to(device=device, dtype=torch.int64).index_select(0, rows) + steps
+    table.index_put_((rows, cols), out_cache_loc.to(device=device, dtype=table.dtype))
     return table
 
 
-def tree_blocks(custom_mask: Tensor, committed: tuple[int, ...], draft_tokens: int) -> Tensor | None:
+def tree_blocks(custom_mask: Tensor, committed: Tensor, draft_tokens: int) -> tuple[Tensor, Tensor | None]:
     """SGLang's verify ``custom_mask`` as the contract's ``tree_mask``: per request, the
-    ``draft_tokens x draft_tokens`` block among the new tokens, concatenated; ``None`` if its size fits
-    neither of SGLang's layouts.
+    ``draft_tokens x draft_tokens`` block among the new tokens, concatenated, built on the device from the device's
+    committed lengths; with it, for FULL_MASK, the device boolean "the mask's size fits the layout" (else ``None``).
 
-    QLEN_ONLY (where SGLang's ``is_cpu()`` holds) already is that layout. FULL_MASK (GPU-style platforms)
-    holds, per request, ``draft_tokens`` rows of ``seq_len + draft_tokens`` entries, the prefix columns
-    first: the block is each row's tail. The size tells the two apart: they coincide only for empty
-    prefixes, which a verify never has.
+    QLEN_ONLY (where SGLang's ``is_cpu()`` holds) already is that layout: ``draft_tokens**2`` entries a request.
+    FULL_MASK (GPU-style platforms) holds, per request, ``draft_tokens`` rows of ``seq_len + draft_tokens``
+    entries, the prefix columns first: the block is each row's tail. The size tells the two apart: they coincide
+    only for empty prefixes, which a verify never has.
     """
-    n = draft_tokens
-    if custom_mask.numel() == len(committed) * n * n and any(committed):
-        return custom_mask.to(torch.bool)
-    index: list[int] = []
-    offset = 0
-    for seq in committed:
-        row = seq + n
-        index.extend(offset + j * row + seq + k for j in range(n) for k in range(n))
-        offset += n * row
-    if custom_mask.numel() != offset:
-        return None
-    return custom_mask[torch.tensor(index, device=custom_mask.device)].to(torch.bool)
+    n, bs = draft_tokens, committed.numel()
+    if custom_mask.numel() == bs * n * n:
+        return custom_mask.to(torch.bool), None
+    seq = committed.to(torch.int64).view(bs, 1, 1)
+    rows = (seq + n) * n
+    offset = rows.cumsum(0) - rows
+    steps = torch.arange(n, device=committed.device)
+    index = offset + steps.view(1, n, 1) * (seq + n) + seq + steps.view(1, 1, n)
+    fits = rows.sum() == custom_mask.numel()
+    index = index.clamp_(0, max(custom_mask.numel() - 1, 0)).view(-1)  # a misfit is refused by ``fits``, not read past
+    return custom_mask.to(device=committed.device).index_select(0, index).to(torch.bool), fits
 
 
 class SGLangKVCache:
@@ -521,7 +522,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     # -- per batch ------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: SGLangBatch) -> None:
-        """Translate SGLang's batch once, checked (see ``batch_checks``), then let the attnhost backend plan it."""
+        """Translate SGLang's batch once, checked without a host sync (see ``batch_checks``), then let the attnhost
+        backend plan it."""
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self._plan(forward_batch, None)
@@ -537,23 +539,27 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if attnhost_mode is ForwardMode.DECODE and getattr(spec_info, "topk", 1) > 1:
             # the draft's branch rows need the multi-step container
             raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
-        facts = read_batch_facts(
-            self._where, forward_batch.seq_lens, forward_batch.out_cache_loc, forward_batch.req_pool_indices
-        )
-        check_slots(self._where, facts, forward_batch.out_cache_loc, self._num_slots, ENGINE_BUG)
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
         if attnhost_mode is ForwardMode.TARGET_VERIFY:
-            batch = self._verify_batch(forward_batch, spec_info, facts)
+            batch = self._verify_batch(forward_batch, spec_info)
         else:
-            batch = self._extend_or_decode_batch(forward_batch, attnhost_mode, facts)
+            batch = self._extend_or_decode_batch(forward_batch, attnhost_mode)
         self._plan(forward_batch, batch)
 
-    def _extend_or_decode_batch(self, forward_batch: SGLangBatch, mode: ForwardMode, facts: BatchFacts) -> ForwardBatch:
-        """EXTEND, MIXED, DECODE and DRAFT_EXTEND_V2, on the scheduler's host copies of the lengths (authoritative
-        for these batches: SGLang's own kernels plan from them), checked against the device's."""
+    def _extend_or_decode_batch(self, forward_batch: SGLangBatch, mode: ForwardMode) -> ForwardBatch:
+        """EXTEND, MIXED, DECODE and DRAFT_EXTEND_V2, on the scheduler's host copies of the lengths (exact for
+        these batches: SGLang's own kernels plan from them), checked against the device's on the device. A decode
+        batch without a host copy is a captured graph's (SGLang's graph runners keep the lengths on the device
+        only): its host lengths are the request table's width, as bounds."""
         seq_lens = forward_batch.seq_lens
-        seq_cpu = ints(forward_batch.seq_lens_cpu, seq_lens)
+        exact = True
         if mode is ForwardMode.DECODE:
+            host = forward_batch.seq_lens_cpu
+            if host is None:
+                exact = False
+                seq_cpu = (self._table_shape[1],) * forward_batch.batch_size
+            else:
+                seq_cpu = host_ints(host)
             prefix_lens = seq_lens - 1
             extend_lens = torch.ones_like(seq_lens)
             prefix_cpu = tuple(n - 1 for n in seq_cpu)
@@ -561,20 +567,14 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         else:
             prefix_lens = forward_batch.extend_prefix_lens
             extend_lens = forward_batch.extend_seq_lens
-            prefix_cpu = tuple(forward_batch.extend_prefix_lens_cpu)
-            extend_cpu = tuple(forward_batch.extend_seq_lens_cpu)
-        host = tuple(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True))
-        if host != facts.seq_lens:
-            raise InvalidBatchError(
-                f"{self._where}: this {mode.name} batch's host lengths (prefix + new tokens {list(host)}) disagree "
-                f"with its device seq_lens {list(facts.seq_lens)}, so neither can be trusted; nothing was read or "
-                f"written — {ENGINE_BUG}"
-            )
-        self._check_lengths(facts, prefix_cpu, extend_cpu, forward_batch.out_cache_loc)
+            prefix_cpu = host_ints(forward_batch.extend_prefix_lens_cpu)
+            extend_cpu = host_ints(forward_batch.extend_seq_lens_cpu)
+            seq_cpu = tuple(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True))
+        self._check(forward_batch, seq_lens, prefix_cpu, extend_cpu, exact, extend_cpu)
         if mode is ForwardMode.DRAFT_EXTEND_V2:
             # seq_lens already count the new tokens; they attend causally to the prefix and to each other, read
             # through a table of their own (the slots SGLang writes them to now), as SGLang's backends do.
-            return self._spec_batch(mode, forward_batch, prefix_cpu, extend_cpu, None)
+            return self._spec_batch(mode, forward_batch, seq_lens - extend_lens, prefix_cpu, extend_cpu, None, exact)
         self._kv._table = None
         return self._batch_of(
             forward_mode=mode,
@@ -587,19 +587,50 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             seq_lens_cpu=seq_cpu,
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=extend_cpu,
+            host_lengths_exact=exact,
         )
 
-    def _check_lengths(
-        self, facts: BatchFacts, prefix_cpu: tuple[int, ...], extend_cpu: tuple[int, ...], out_cache_loc: Tensor
+    @property
+    def _table_shape(self) -> tuple[int, int]:
+        rows, width = self._kv._req_to_token_pool.req_to_token.shape
+        return int(rows), int(width)
+
+    def _check(
+        self,
+        forward_batch: SGLangBatch,
+        device_lens: Tensor,
+        prefix_cpu: tuple[int, ...],
+        extend_cpu: tuple[int, ...],
+        exact: bool,
+        least: tuple[int, ...],
+        write_slots: Tensor | None = None,
     ) -> None:
-        check_lengths(
-            self._where, facts, prefix_cpu, extend_cpu, self._kv._req_to_token_pool.req_to_token.shape, ENGINE_BUG
+        """The batch's host lengths on the host, its slots, rows and ``device_lens`` on the device, without a read
+        (``batch_checks``). ``device_lens`` are SGLang's ``seq_lens``: ``prefix + extend`` for an extend or a decode
+        (equal to the host's where ``exact``, else within them and at least ``least``), the committed prefix for a
+        verify or a draft round (within ``prefix_cpu``, the host's bounds). ``write_slots``: the slots a draft round
+        writes, where ``out_cache_loc`` holds a wider window than its steps. A graph batch's padded rows all write
+        SGLang's reserved slot 0."""
+        loc = forward_batch.out_cache_loc if write_slots is None else write_slots
+        shape = self._table_shape
+        count = loc.numel() if write_slots is None else sum(extend_cpu)
+        check_host_lengths(self._where, prefix_cpu, extend_cpu, shape, count, ENGINE_BUG)
+        committed = forward_batch.forward_mode.is_target_verify() or write_slots is not None
+        check_device_batch(
+            self._where,
+            seq_lens=device_lens,
+            out_cache_loc=loc,
+            req_pool_indices=forward_batch.req_pool_indices,
+            host_seq_lens=prefix_cpu
+            if committed
+            else tuple(p + e for p, e in zip(prefix_cpu, extend_cpu, strict=True)),
+            host_lengths_exact=exact,
+            extend_lens=least,
+            num_slots=self._num_slots,
+            num_rows=shape[0],
+            way_out=ENGINE_BUG,
+            padding_slot=None if exact else 0,
         )
-        if out_cache_loc.numel() != sum(extend_cpu):
-            raise InvalidBatchError(
-                f"{self._where}: the batch brings {sum(extend_cpu)} new tokens but {out_cache_loc.numel()} write "
-                f"slots (out_cache_loc); nothing was read or written — {ENGINE_BUG}"
-            )
 
     def _batch_of(self, **fields: Any) -> ForwardBatch:
         """An attnhost batch, its own consistency refusals (``ForwardBatch``) named as this backend's."""
@@ -612,6 +643,9 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         """Remember the batch SGLang planned and let the attnhost backend plan its translation."""
         self._sglang_batch = forward_batch
         self._batch = self._window_batch = None  # a refused or failed plan leaves no batch behind to run layers on
+        if batch is not None and not self.capabilities.cuda_graph:
+            # the backend plans from exact host lengths: where the engine has only bounds, one read on its behalf
+            batch = batch.with_exact_host_lengths()
         window_batch = None if batch is None or self._window_kv is None else self._window_twin(batch)
         for backend, planned in ((self.attnhost_backend, batch), (self.window_backend, window_batch)):
             if planned is not None and backend is not None:
@@ -638,82 +672,140 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def failure(self, method: str, mode: ForwardMode, layer_id: int | None, exc: BaseException) -> BackendFailedError:
         return backend_failed(self._where, self.origin, method, mode.name, layer_id, exc)
 
-    def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any, facts: BatchFacts) -> ForwardBatch:
+    def _verify_batch(self, forward_batch: SGLangBatch, spec_info: Any) -> ForwardBatch:
         """TARGET_VERIFY: each request's ``draft_token_num`` new tokens after its committed ``seq_lens``.
 
-        The committed lengths are the device's: a speculative worker's host copy may be only a planning bound
-        (DFLASH sets it to the committed length plus the block size), and attending to that many slots reads
-        slots that hold nothing yet. Whether the new tokens form a chain or a tree is read from the mask the
-        batch carries, never from an attribute some verify inputs lack (NGRAM's has no ``topk``): no
-        ``custom_mask``, or one that is causal among the new tokens, is a chain; anything else a tree, for
-        which SGLang's FULL_MASK (per request, ``draft_token_num`` rows of ``seq_len + draft_token_num``
-        booleans, GPU-style platforms) and QLEN_ONLY (``draft_token_num**2`` per request, where SGLang's
-        ``is_cpu()`` holds) layouts both become the contract's per-request ``tree_mask`` blocks.
+        The committed lengths are the device's, placed on the device and never read on the host: a speculative
+        worker's host copy may be only a planning bound (DFLASH sets it to the committed length plus the block
+        size), and attending to that many slots reads slots that hold nothing yet. The host copy (or, without
+        one, the request table's width) becomes the batch's host bounds. Whether the new tokens form a chain or a
+        tree is read from the mask the batch carries, never from an attribute some verify inputs lack (NGRAM's
+        has no ``topk``): no ``custom_mask``, or one that is causal among the new tokens, is a chain; anything
+        else a tree, for which SGLang's FULL_MASK (per request, ``draft_token_num`` rows of ``seq_len +
+        draft_token_num`` booleans, GPU-style platforms) and QLEN_ONLY (``draft_token_num**2`` per request, where
+        SGLang's ``is_cpu()`` holds) layouts both become the contract's per-request ``tree_mask`` blocks.
         """
         draft_tokens = int(getattr(spec_info, "draft_token_num", 0) or 0)
         if draft_tokens < 1:
             raise self.refusal("a target-verify batch without draft_token_num (not an EAGLE verify input)")
-        committed = facts.seq_lens
-        extend = (draft_tokens,) * len(committed)
-        self._check_lengths(facts, committed, extend, forward_batch.out_cache_loc)
-        tree_mask = self._tree_mask(getattr(spec_info, "custom_mask", None), committed, draft_tokens)
+        bs = forward_batch.batch_size
+        most = self._table_shape[1] - draft_tokens  # the longest committed prefix the table leaves room for
+        host = forward_batch.seq_lens_cpu
+        bounds = (most,) * bs if host is None else tuple(min(n, most) for n in host_ints(host))
+        extend = (draft_tokens,) * bs
+        self._check(forward_batch, forward_batch.seq_lens, bounds, extend, False, (0,) * bs)
+        tree_mask = self._tree_mask(getattr(spec_info, "custom_mask", None), forward_batch.seq_lens, spec_info)
         if tree_mask is not None and not self.capabilities.tree_mask:
             raise self.refusal(
                 "speculative tree verify (this batch's custom_mask is a tree; it declares no tree_mask capability)",
                 "run chains (--speculative-eagle-topk 1) or choose a backend that declares tree_mask",
             )
-        return self._spec_batch(ForwardMode.TARGET_VERIFY, forward_batch, committed, extend, tree_mask)
+        return self._spec_batch(
+            ForwardMode.TARGET_VERIFY, forward_batch, forward_batch.seq_lens, bounds, extend, tree_mask, False
+        )
 
-    def _tree_mask(self, custom_mask: Tensor | None, committed: tuple[int, ...], draft_tokens: int) -> Tensor | None:
-        """The verify batch's tree as the contract's blocks, or ``None`` for a chain (no mask, or a causal one)."""
+    def _tree_mask(self, custom_mask: Tensor | None, committed: Tensor, spec_info: Any) -> Tensor | None:
+        """The verify batch's tree as the contract's blocks, or ``None`` for a chain: no mask, or an EAGLE chain
+        (``topk == 1``), whose mask is causal. Without that word (NGRAM's and DFLASH's inputs have no ``topk``) a
+        backend that declares ``tree_mask`` gets the mask whatever it holds (a causal one is a chain); for one that
+        does not, whether it is causal is read from the mask, on its behalf."""
         if custom_mask is None:
             return None
+        draft_tokens = int(spec_info.draft_token_num)
         if custom_mask.dtype != torch.bool or custom_mask.dim() != 1:
             raise InvalidBatchError(
                 f"{self._where}: this verify batch's custom_mask is a {custom_mask.dim()}-D {custom_mask.dtype} "
                 "tensor; SGLang's verify masks are flat bool tensors (True: the token may attend), and an additive "
                 f"float mask read as booleans would invert it; nothing was read or written — {ENGINE_BUG}"
             )
-        blocks = tree_blocks(custom_mask, committed, draft_tokens)
-        if blocks is None:
-            raise InvalidBatchError(
-                f"{self._where}: this verify batch's custom_mask ({custom_mask.numel()} entries) fits neither "
-                f"SGLang's QLEN_ONLY nor its FULL_MASK layout for {len(committed)} requests of {draft_tokens} draft "
-                f"tokens (draft_token_num); nothing was read or written — {ENGINE_BUG}"
-            )
+        blocks, fits = tree_blocks(custom_mask, committed, draft_tokens)
+        if fits is not None:
+            try:
+                torch._assert_async(fits, f"{self._where}: a verify custom_mask fits no layout SGLang makes")
+            except RuntimeError:
+                raise InvalidBatchError(
+                    f"{self._where}: this verify batch's custom_mask ({custom_mask.numel()} entries) fits neither "
+                    f"SGLang's QLEN_ONLY nor its FULL_MASK layout for {committed.numel()} requests of {draft_tokens} "
+                    f"draft tokens (draft_token_num); nothing was read or written — {ENGINE_BUG}"
+                ) from None
+        topk = getattr(spec_info, "topk", None)
+        if topk == 1:
+            return None
+        if topk is not None or self.capabilities.tree_mask:
+            return blocks
         causal = torch.ones(draft_tokens, draft_tokens, dtype=torch.bool, device=blocks.device).tril_()
-        if torch.equal(blocks.view(-1, draft_tokens, draft_tokens), causal.expand(len(committed), -1, -1)):
+        if torch.equal(blocks.view(-1, draft_tokens, draft_tokens), causal.expand(committed.numel(), -1, -1)):
             return None
         return blocks
 
     def plan_draft_step(
-        self, forward_batch: SGLangBatch, table: Tensor, prefix_cpu: tuple[int, ...], out_cache_loc: Tensor, step: int
+        self,
+        forward_batch: SGLangBatch,
+        table: Tensor,
+        prefix_lens: Tensor,
+        prefix_bounds: tuple[int, ...],
+        out_cache_loc: Tensor,
+        step: int,
     ) -> None:
         """Draft decode step ``step`` of a multi-step round (``multistep.SGLangMultiStepDraftBackend``): row ``r``
-        of ``table`` has its prefix and branch slots, and reads its first ``prefix_cpu[r] + step + 1``."""
+        of ``table`` has its prefix and branch slots, and reads its first ``prefix_lens[r] + step + 1`` (the
+        device's prefix, within the host's ``prefix_bounds``)."""
         self._kv._table = table
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
-        rows = [(row, prefix + step, 1) for row, prefix in enumerate(prefix_cpu)]
-        self._plan(forward_batch, ForwardBatch.from_lists(self._kv, ForwardMode.DECODE, rows, out_cache_loc))
+        bounds = tuple(p + step for p in prefix_bounds)
+        self._plan(
+            forward_batch,
+            self._table_batch(
+                ForwardMode.DECODE, prefix_lens + step, bounds, (1,) * len(bounds), out_cache_loc, None, False
+            ),
+        )
 
     def _spec_batch(
         self,
         mode: ForwardMode,
         forward_batch: SGLangBatch,
-        prefix_cpu: tuple[int, ...],
+        prefix_lens: Tensor,
+        prefix_bounds: tuple[int, ...],
         extend_cpu: tuple[int, ...],
         tree_mask: Tensor | None,
+        exact: bool,
     ) -> ForwardBatch:
         """A speculative batch over its own slot table (see :func:`slot_table`): row ``i`` is request ``i``."""
         out_cache_loc = forward_batch.out_cache_loc
         table = self._kv._req_to_token_pool.req_to_token
-        self._kv._table = slot_table(table, forward_batch.req_pool_indices, prefix_cpu, extend_cpu, out_cache_loc)
-        return ForwardBatch.from_lists(
-            self._kv,
-            mode,
-            [(row, p, e) for row, (p, e) in enumerate(zip(prefix_cpu, extend_cpu, strict=True))],
-            out_cache_loc,
-            tree_mask,
+        self._kv._table = slot_table(
+            table, forward_batch.req_pool_indices, prefix_lens, prefix_bounds, extend_cpu, out_cache_loc
+        )
+        return self._table_batch(mode, prefix_lens, prefix_bounds, extend_cpu, out_cache_loc, tree_mask, exact)
+
+    def _table_batch(
+        self,
+        mode: ForwardMode,
+        prefix_lens: Tensor,
+        prefix_bounds: tuple[int, ...],
+        extend_cpu: tuple[int, ...],
+        out_cache_loc: Tensor,
+        tree_mask: Tensor | None,
+        exact: bool,
+    ) -> ForwardBatch:
+        """A batch whose row ``i`` is row ``i`` of the view's slot table, its lengths the device's ``prefix_lens``
+        plus the host's exact ``extend_cpu`` (host lengths: ``prefix_bounds``, exact or bounds)."""
+        device = prefix_lens.device
+        prefix = prefix_lens.to(torch.int64)
+        extend = torch.tensor(extend_cpu, dtype=torch.int64).to(device, non_blocking=True)
+        return self._batch_of(
+            forward_mode=mode,
+            kv_pool=self._kv,
+            req_pool_indices=torch.arange(len(prefix_bounds), dtype=torch.int64, device=device),
+            seq_lens=prefix + extend,
+            prefix_lens=prefix,
+            extend_seq_lens=extend,
+            out_cache_loc=out_cache_loc.to(torch.int64),
+            seq_lens_cpu=tuple(p + e for p, e in zip(prefix_bounds, extend_cpu, strict=True)),
+            prefix_lens_cpu=prefix_bounds,
+            extend_seq_lens_cpu=extend_cpu,
+            tree_mask=tree_mask,
+            host_lengths_exact=exact,
         )
 
     def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:

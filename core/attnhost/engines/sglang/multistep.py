@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnhost.engines.batch_checks import check_lengths, check_slots, read_batch_facts
-from attnhost.engines.sglang.adapter import ENGINE_BUG, SGLangAdapterBackend, slot_table
+from attnhost.engines.sglang.adapter import ENGINE_BUG, SGLangAdapterBackend, host_ints, slot_table
 from attnhost.errors import InvalidBatchError
 
 if TYPE_CHECKING:
@@ -67,21 +66,27 @@ class SGLangMultiStepDraftBackend:
                 f"container built for topk {self.topk}, so each step's K/V would land in another step's slots; "
                 f"nothing was read or written — {ENGINE_BUG}"
             )
-        facts = read_batch_facts(first._where, forward_batch.seq_lens, loc, forward_batch.req_pool_indices)
-        check_slots(first._where, facts, loc, first._num_slots, ENGINE_BUG)
-        steps = (self.speculative_num_steps,) * forward_batch.batch_size
-        check_lengths(first._where, facts, facts.seq_lens, steps, self.req_to_token_pool.req_to_token.shape, ENGINE_BUG)
-        per_row = loc.view(rows, -1)[:, : self.speculative_num_steps]  # a planned wider window leads with ours
-        prefix = tuple(n for n in facts.seq_lens for _ in range(self.topk))  # the device's: authoritative
+        # The committed prefixes are the device's, never read here: SGLang's host copy, where it has one, bounds them
+        bs, steps = forward_batch.batch_size, self.speculative_num_steps
+        width = int(self.req_to_token_pool.req_to_token.shape[1])
+        host = forward_batch.seq_lens_cpu
+        bounds = (width - steps,) * bs if host is None else tuple(min(n, width - steps) for n in host_ints(host))
+        per_row = loc.view(rows, -1)[:, :steps]  # a planned wider window leads with ours
+        first._check(
+            forward_batch, forward_batch.seq_lens, bounds, (steps,) * bs, False, (0,) * bs, per_row.reshape(-1)
+        )
+        row_bounds = tuple(n for n in bounds for _ in range(self.topk))
+        prefix = torch.repeat_interleave(forward_batch.seq_lens.to(torch.int64), self.topk)
         table = slot_table(
             self.req_to_token_pool.req_to_token,
             torch.repeat_interleave(forward_batch.req_pool_indices, self.topk),
             prefix,
-            (self.speculative_num_steps,) * rows,
+            row_bounds,
+            (steps,) * rows,
             per_row.reshape(-1),
         )
         for step, backend in enumerate(self.attn_backends):
-            backend.plan_draft_step(forward_batch, table, prefix, per_row[:, step], step)
+            backend.plan_draft_step(forward_batch, table, prefix, row_bounds, per_row[:, step], step)
 
     def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
         if in_capture:

@@ -205,6 +205,52 @@ class VLLMKVCache:
         k_view.index_copy_(0, loc, k.to(k_view.dtype))
         v_view.index_copy_(0, loc, v.to(v_view.dtype))
 
+    def set_kv_skipping_padding(
+        self,
+        layer_id: int,
+        loc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """``set_kv``, except that a row whose slot is ``-1`` (vLLM's padding, and its drafter's rejected tokens)
+        writes nowhere, decided on the device: such a row is aimed at the first real row's slot with that row's own
+        bytes (or, with no real row, at slot 0 with what slot 0 holds), so every write to one slot carries the same
+        bytes and no row is read on the host."""
+        k_view, v_view, _ = self.views[layer_id]
+        for view, new, scale in ((k_view, k, k_scale), (v_view, v, v_scale)):
+            if view.dtype.itemsize == 1:  # FP8: the contract's quantising write, through a byte view
+                copy_skipping_padding(
+                    view.view(torch.uint8), loc, quantize_fp8(new, scale, view.dtype).view(torch.uint8)
+                )
+            else:
+                copy_skipping_padding(view, loc, new.to(view.dtype))
+
+
+def copy_skipping_padding(store: torch.Tensor, loc: torch.Tensor, rows: torch.Tensor) -> None:
+    """``store.index_copy_(0, loc, rows)``, except that a row whose slot is ``-1`` writes nowhere, decided on the
+    device: such a row is aimed at the first real row's slot with that row's own values (or, with no real row, at
+    slot 0 with what slot 0 holds), so every write to one slot carries the same values and nothing is read on the
+    host (finding the real rows there would be a synchronisation)."""
+    valid = loc >= 0
+    first = valid.to(torch.int32).argmax().view(1)  # the first row with a slot; 0 when none has one
+    anchor = loc.index_select(0, first).clamp(min=0)
+    target = torch.where(valid, loc, anchor)
+    anchored = torch.where(valid.any(), rows.index_select(0, first), store.index_select(0, anchor))
+    keep = valid.view(-1, *([1] * (rows.dim() - 1)))
+    store.index_copy_(0, target, torch.where(keep, rows, anchored))
+
+
+def seq_len_bounds(m: CommonAttentionMetadata, num_reqs: int, query_lens: list[int]) -> tuple[int, ...]:
+    """Host bounds of the requests' lengths, never read from the device: vLLM's ``seq_lens_cpu_upper_bound``
+    (exact but for async speculative decode rows, where it assumes every draft was accepted), else its
+    ``max_seq_len`` for every request; at least each request's query length."""
+    bound = getattr(m, "seq_lens_cpu_upper_bound", None)
+    if bound is None:
+        return tuple(max(int(m.max_seq_len), q) for q in query_lens)
+    return tuple(max(int(n), q) for n, q in zip(bound[:num_reqs].tolist(), query_lens, strict=True))
+
 
 @dataclass(frozen=True, slots=True)
 class AttnhostVLLMMetadata:
@@ -225,6 +271,9 @@ class AttnhostVLLMMetadata:
     num_actual_tokens: int
     written: tuple[torch.Tensor, torch.Tensor] | None = None
     causal: bool = True
+    writes_all: bool = False
+    """The impl writes every new row itself, skipping slot ``-1`` on the device (``set_kv_skipping_padding``), and
+    the backend none: a graph-capable backend's batches, where finding the ``-1`` rows on the host would be a read."""
 
 
 class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM is untyped here
@@ -361,10 +410,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         if num_reqs == 0:
             return AttnhostVLLMMetadata(None, None, self.attnhost_backend, 0)
         seq_lens = m.seq_lens[:num_reqs]
-        seq_cpu = tuple(seq_lens.tolist())
+        seq_cpu = seq_len_bounds(m, num_reqs, query_lens)
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
-        if min(prefix_cpu) < 0:
-            raise RuntimeError(f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len")
         num_tokens = starts[num_reqs]
         extend_lens = m.query_start_loc[1 : num_reqs + 1] - m.query_start_loc[:num_reqs]
         if max(query_lens) == 1:
@@ -384,7 +431,16 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             seq_lens_cpu=seq_cpu,
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=tuple(query_lens),
+            host_lengths_exact=False,
         )
+        graph = self.identity.capabilities.cuda_graph
+        if not graph:
+            # the backend plans from exact host lengths, and vLLM's host copy is only a bound: one read on its behalf
+            batch = batch.with_exact_host_lengths()
+            if min(batch.prefix_lens_cpu) < 0:
+                raise RuntimeError(
+                    f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len"
+                )
         # the batch's page_table (ForwardBatch builds it lazily from req_to_token) is vLLM's own block table: the
         # same numbers, without the rebuild; slot = block * block_size + offset in both
         vars(batch)["page_table"] = pages
@@ -392,6 +448,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             self.attnhost_backend.init_forward_metadata(batch)
         except (Exception, SystemExit) as exc:
             raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
+        if graph:  # the impl writes every row, a padded one (slot -1) nowhere, with no read (set_kv_skipping_padding)
+            return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, None, m.causal is True, True)
         written = _slotted_rows(batch.out_cache_loc)
         return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, written, m.causal is True)
 
@@ -523,7 +581,16 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             kv.views[attn_layer.layer_id] = self._views(kv_cache)
         n = attn_metadata.num_actual_tokens
         written = attn_metadata.written
-        if written is not None:  # rows without a slot (-1): the others are written here, the backend writes none
+        if attn_metadata.writes_all:
+            kv.set_kv_skipping_padding(
+                attn_layer.layer_id,
+                batch.out_cache_loc,
+                key[:n],
+                value[:n],
+                k_scale=attn_layer.k_scale,
+                v_scale=attn_layer.v_scale,
+            )
+        elif written is not None:  # rows without a slot (-1): the others are written here, the backend writes none
             rows, slots = written
             kv.set_kv(
                 attn_layer.layer_id,
@@ -535,7 +602,13 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             )
         try:  # free when nothing raises; a plugin's exception gets the one line naming it
             out = attn_metadata.backend.forward(
-                query[:n], key[:n], value[:n], attn_layer, batch, written is None, sinks=self.sinks
+                query[:n],
+                key[:n],
+                value[:n],
+                attn_layer,
+                batch,
+                written is None and not attn_metadata.writes_all,
+                sinks=self.sinks,
             )
         except (Exception, SystemExit) as exc:
             raise self.identity.failed("forward", batch, attn_layer.layer_id, exc) from exc

@@ -57,9 +57,11 @@ from attnhost.engines.vllm.adapter import (
     VLLMKVCache,
     _Identity,
     _layer_ids,
+    copy_skipping_padding,
     make_identity,
     named_class,
     refuse_impl_args,
+    seq_len_bounds,
     supported_dtypes,
 )
 from attnhost.forward_batch import ForwardBatch
@@ -178,7 +180,10 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
                 num_prefills=0,
             )
         seq_lens = m.seq_lens[:num_reqs]
-        seq_cpu = tuple(seq_lens.tolist())
+        exact = not self.identity.capabilities.cuda_graph
+        # a graph-capable backend plans from vLLM's host bounds (exact for prefill rows, which alone take the MHA
+        # form); any other plans from exact lengths, read on its behalf
+        seq_cpu = tuple(seq_lens.tolist()) if exact else seq_len_bounds(m, num_reqs, query_lens)
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
         if min(prefix_cpu) < 0:
             raise RuntimeError(f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len")
@@ -205,6 +210,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
                 seq_lens_cpu=seq_cpu[lo:hi],
                 prefix_lens_cpu=prefix_cpu[lo:hi],
                 extend_seq_lens_cpu=lens,
+                host_lengths_exact=exact,
             )
             backend.init_forward_metadata(batch)
             return _Form(batch, backend, kv)
@@ -328,6 +334,12 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         latent = self._latent_rows(kv_cache)[:, 0]
         slots = slot_mapping.reshape(-1)
         n = slots.shape[0]
+        rank = self.kv_lora_rank
+        if self.identity.capabilities.cuda_graph:  # padded rows skipped on the device: no read in a step
+            copy_skipping_padding(latent[:, :rank], slots, kv_c_normed[:n].to(latent.dtype))
+            if self.qk_rope_head_dim:
+                copy_skipping_padding(latent[:, rank:], slots, k_pe[:n].reshape(n, -1).to(latent.dtype))
+            return
         if n and int(slots[n - 1]) < 0:  # vLLM pads with -1 after the last real token
             n = int((slots >= 0).sum())
             if n and int(slots[n - 1]) < 0:
@@ -336,7 +348,6 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
                     "run vLLM without decode or prefill context parallelism",
                 )
             slots = slots[:n]
-        rank = self.kv_lora_rank
         latent[:, :rank].index_copy_(0, slots, kv_c_normed[:n].to(latent.dtype))
         if self.qk_rope_head_dim:
             latent[:, rank:].index_copy_(0, slots, k_pe[:n].reshape(n, -1).to(latent.dtype))

@@ -14,6 +14,7 @@ and the size of the error, as attnhost's conformance kit words it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from vllm.config import CacheConfig, VllmConfig
 from vllm.v1.attention.backend import AttentionType
 
 from attnhost.backend import dtype_name
+from attnhost.testing.host_reads import device_only, no_host_reads
 from attnhost_vllm_cpu.kit import FP8_FORMATS, PLAIN, Case, Variant, make_case
 
 __all__ = [
@@ -147,24 +149,36 @@ class ForwardCase:
         )
 
 
-def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.Tensor]:
+DEVICE_METADATA = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping")
+"""The ``CommonAttentionMetadata`` tensors vLLM keeps on its device (the ``*_cpu`` ones are its host copies)."""
+
+
+def forward(cls: type, case: Case, dtype: torch.dtype, what: str, host_reads: bool = True) -> list[torch.Tensor]:
     """Build the metadata with ``cls``'s builder, run every layer through its impl; vLLM's ``output`` per layer.
 
-    An exception from the backend becomes an ``AssertionError`` whose first
-    line says which step raised what (the cause stays chained).
+    With ``host_reads=False`` what vLLM keeps on its device (the metadata's device tensors, each layer's inputs)
+    refuses host reads throughout the step (``attnhost.testing.host_reads``): a backend that declares graph
+    support, and the adapter around it, must not wait on the device. An exception from the backend becomes an
+    ``AssertionError`` whose first line says which step raised what (the cause stays chained).
     """
     spec = case.spec
     layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(len(case.caches))]
     config = VllmConfig(cache_config=CacheConfig(cache_dtype=case.kv_cache_dtype))
+    common = case.metadata
+    on_device = _as_is if host_reads else device_only
+    if not host_reads:
+        common = common.replace(**{name: device_only(getattr(common, name)) for name in DEVICE_METADATA})
+    step = contextlib.nullcontext if host_reads else no_host_reads
     try:
         builder = cls.get_builder_cls()(spec, layer_names, config, "cpu")  # type: ignore[attr-defined]
-        metadata = builder.build(0, case.metadata)
+        with step():
+            metadata = builder.build(0, common)
     except Exception as exc:
         raise AssertionError(f"{what}: the metadata builder raised {type(exc).__name__}: {exc}") from exc
     outputs = []
     variant = case.variant
     for layer, cache in enumerate(case.caches):
-        q, k, v = case.layer_inputs(layer, dtype)
+        q, k, v = (on_device(t) for t in case.layer_inputs(layer, dtype))
         output = torch.full((q.shape[0], case.num_heads, spec.head_size), float("nan"), dtype=dtype)
         # vLLM's sinks are the model's parameter, in the model's dtype
         extra = {} if case.sinks is None else {"sinks": case.sinks[layer].to(dtype)}
@@ -182,7 +196,7 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
                 None,
                 **extra,
             )
-            with torch.no_grad():
+            with torch.no_grad(), step():
                 returned = impl.forward(scaled_layer(case, layer), q, k, v, cache, metadata, output=output)
         except Exception as exc:
             raise AssertionError(f"{what}: forward (layer {layer}) raised {type(exc).__name__}: {exc}") from exc
@@ -190,6 +204,10 @@ def forward(cls: type, case: Case, dtype: torch.dtype, what: str) -> list[torch.
             raise AssertionError(f"{what}: forward (layer {layer}) returned a new tensor, not vLLM's output buffer")
         outputs.append(output)
     return outputs
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def scaled_layer(case: Case, layer: int) -> torch.nn.Module | None:
@@ -265,11 +283,12 @@ def _where(case: Case, starts: list[int], token: int, layer: int) -> str:
     return f"layer {layer}, request {request}, token {token - starts[request]} of {case.requests[request].query}"
 
 
-def check(cls: type, fcase: ForwardCase, what: str) -> None:
-    """Run ``fcase`` through ``cls``; raise ``AssertionError`` with one line naming what broke and by how much."""
+def check(cls: type, fcase: ForwardCase, what: str, host_reads: bool = True) -> None:
+    """Run ``fcase`` through ``cls``; raise ``AssertionError`` with one line naming what broke and by how much
+    (``host_reads=False``: with vLLM's device tensors refusing host reads, see :func:`forward`)."""
     case = fcase.make()
     before = [cache.clone() for cache in case.caches]
-    outputs = forward(cls, case, fcase.dtype, what)
+    outputs = [out.as_subclass(torch.Tensor) for out in forward(cls, case, fcase.dtype, what, host_reads)]
     found = problem(case, outputs, before, ATOL[fcase.dtype])
     if found is not None:
         raise AssertionError(f"{what}: {found}")
