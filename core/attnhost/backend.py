@@ -320,7 +320,15 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        """Precompute per-batch metadata once, before the layers run."""
+        """Precompute per-batch metadata once, before the layers run. A backend that declares
+        ``capabilities.cuda_graph`` reads no device value on the host here and, handed a batch object it planned
+        before (a captured graph's, its tensors refreshed in place by the engine), refreshes that plan in place:
+        the graph reads the same storage at every replay (docs/graphs.md)."""
+
+    def init_graph_state(self, max_bs: int, max_num_tokens: int, max_context_len: int) -> None:  # noqa: B027
+        """Called once before an engine captures graphs (only for a backend that declares ``cuda_graph``), with the
+        largest batch, new-token count and request length any captured graph will see: allocate here the metadata
+        buffers every graph step refreshes in place. The default allocates nothing."""
 
     @abc.abstractmethod
     def forward_extend(

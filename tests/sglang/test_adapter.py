@@ -102,9 +102,13 @@ def test_a_custom_mask_outside_target_verify_is_refused_not_ignored() -> None:
 
 def test_cuda_graph_capture_is_refused_with_the_way_out() -> None:
     backend = _fixture().backend
-    with pytest.raises(UnsupportedFeatureError, match=r"CUDA-graph capture.*--disable-cuda-graph"):
+    with pytest.raises(
+        UnsupportedFeatureError, match=r"graph capture \(it declares no cuda_graph.*--disable-cuda-graph"
+    ):
         backend.init_cuda_graph_state(8, 64)
-    with pytest.raises(UnsupportedFeatureError, match="CUDA-graph capture"):
+    with pytest.raises(UnsupportedFeatureError, match="graph capture"):
+        backend.init_cpu_graph_state(8, 8)
+    with pytest.raises(UnsupportedFeatureError, match="graph capture"):
         backend.init_forward_metadata_out_graph(None, in_capture=True)
 
 

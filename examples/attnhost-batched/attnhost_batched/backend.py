@@ -85,8 +85,25 @@ class _Metadata:
         kind = (layer.sliding_window_size, layer.is_causal)
         plan = self.kinds.get(kind)
         if plan is None:
-            plan = self.kinds[kind] = _plan_keys(self.batch, self.query_valid, layer)
+            plan = self.kinds[kind] = _plan_keys(self.batch, self.query_valid, *kind, layer.layer_id)
         return plan
+
+    def refresh(self) -> None:
+        """Re-plan the same batch in place (a captured graph's, whose tensors the engine refreshed): every tensor a
+        graph may read keeps its storage, only its values change. The host counts cannot have changed (the batch
+        is frozen), so every shape is the same."""
+        batch = self.batch
+        torch.lt(
+            torch.arange(self.query_valid.shape[1], device=self.query_valid.device).unsqueeze(0),
+            batch.extend_seq_lens.unsqueeze(1),
+            out=self.query_valid,
+        )
+        for (window, causal), keys in self.kinds.items():
+            fresh = _plan_keys(batch, self.query_valid, window, causal, -1)
+            keys.key_slots.copy_(fresh.key_slots)
+            keys.blocked.copy_(fresh.blocked)
+            if keys.blind is not None and fresh.blind is not None:
+                keys.blind.copy_(fresh.blind)
 
 
 class BatchedMatmulAttnBackend(AttentionBackend):
@@ -110,6 +127,10 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         be only a bound there (``host_lengths_exact``) is used as a tensor."""
         if forward_batch.batch_size == 0:
             self._metadata = None
+            return
+        planned = self._metadata
+        if planned is not None and planned.batch is forward_batch:  # a graph step: the same plan, refreshed in place
+            planned.refresh()
             return
         device = forward_batch.kv_pool.device
         lens = forward_batch.extend_seq_lens_cpu
@@ -256,16 +277,18 @@ class BatchedMatmulAttnBackend(AttentionBackend):
         return out.view(-1, heads * rank) if q.dim() == 2 else out
 
 
-def _plan_keys(forward_batch: ForwardBatch, query_valid: torch.Tensor, layer: AttentionLayer) -> _Keys:
+def _plan_keys(
+    forward_batch: ForwardBatch, query_valid: torch.Tensor, window: int, causal: bool, layer_id: int
+) -> _Keys:
     """The keys each request reads for layers like ``layer`` and the mask over them (once per kind and batch).
 
     Key column ``c`` of request ``b`` is its key index ``start_b + c``, where ``start_b = max(0, prefix_b - w)``
     under a window ``w`` (no query of the request sees an earlier key: the first new token sits at position
     ``prefix_b``, in a tree too) and ``0`` without one."""
-    window, causal, tree = layer.sliding_window_size, layer.is_causal, forward_batch.tree_mask is not None
+    tree = forward_batch.tree_mask is not None
     if tree and not causal:
         raise ValueError(
-            f"batched_matmul: layer {layer.layer_id} is non-causal (is_causal=False) but this "
+            f"batched_matmul: layer {layer_id} is non-causal (is_causal=False) but this "
             f"{forward_batch.forward_mode.name} batch carries a speculative tree (tree_mask), which has no meaning "
             "over a bidirectional layer (docs/variants.md); run the layer in batches without a tree (chains)"
         )

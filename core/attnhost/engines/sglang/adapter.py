@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +68,7 @@ from torch import Tensor
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend, dtype_name
 from attnhost.engines.batch_checks import check_device_batch, check_host_lengths
 from attnhost.engines.runner_view import RunnerView
+from attnhost.engines.sglang.graphs import SEQ_LEN_FILL, DecodeGraphs
 from attnhost.engines.sglang.model_checks import attention_layers, dropped_window, model_name, warn_once_per_runner
 from attnhost.errors import (
     BackendFailedError,
@@ -321,6 +323,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self._sglang_batch: SGLangBatch | None = None
         self._batch: ForwardBatch | None = None
         self._decode: bool | None = None  # the planned batch's method (see forward); None: SGLang's own dispatch
+        self._graphs: DecodeGraphs | None = None  # SGLang's decode graphs, once a graph runner asks (graphs.py)
+        self._cpu_graphs = False  # the CPU graph runner's: it plans every decode batch it runs eagerly
         if not getattr(model_runner, "use_mla_backend", False):
             self._check_model(model_runner)
 
@@ -540,6 +544,12 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             # the draft's branch rows need the multi-step container
             raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        graphs = self._graphs
+        if self._cpu_graphs and graphs is not None and attnhost_mode is ForwardMode.DECODE:
+            if graphs.covers(forward_batch.batch_size):  # the CPU graph runner runs it compiled: its graph batch
+                self._kv._table = None
+                self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
+                return
         if attnhost_mode is ForwardMode.TARGET_VERIFY:
             batch = self._verify_batch(forward_batch, spec_info)
         else:
@@ -808,11 +818,6 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             host_lengths_exact=exact,
         )
 
-    def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
-        if in_capture:
-            raise self.graph_refusal()
-        self.init_forward_metadata(forward_batch)
-
     # -- per layer ------------------------------------------------------------------
 
     def forward(
@@ -981,20 +986,96 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self._sglang_batch = forward_batch
         return True
 
-    # -- what SGLang may ask and an attnhost backend cannot give -----------------------
+    # -- graphs (graphs.py, docs/graphs.md) -------------------------------------------
 
     def graph_refusal(self) -> UnsupportedFeatureError:
         return self.refusal(
-            "CUDA-graph capture (it declares no cuda_graph capability)", "run SGLang with --disable-cuda-graph"
+            "graph capture (it declares no cuda_graph capability)", "run SGLang with --disable-cuda-graph"
         )
 
-    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+    def _init_graphs(self, max_bs: int, cpu: bool) -> None:
+        """Allocate the decode graphs' buffers once, for the largest captured batch, and let the backend allocate
+        its own (``AttentionBackend.init_graph_state``)."""
         if not self.capabilities.cuda_graph:
             raise self.graph_refusal()
-        raise self.refusal("CUDA-graph capture through this adapter yet", "run SGLang with --disable-cuda-graph")
+        if self.window_backend is not None:
+            raise self.refusal(
+                "graph capture over SGLang's hybrid window pool (its window slots are translated per batch)",
+                "run SGLang with --disable-cuda-graph or --disable-hybrid-swa-memory",
+            )
+        self._graphs = DecodeGraphs(self._kv, max_bs, self._table_shape, self.device)
+        self._cpu_graphs = cpu
+        try:
+            self.attnhost_backend.init_graph_state(max_bs, max_bs, self._table_shape[1])
+        except (Exception, SystemExit) as exc:
+            raise self.failure("init_graph_state", ForwardMode.DECODE, None, exc) from exc
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._init_graphs(max_bs, cpu=False)
+
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self._init_graphs(max_bs, cpu=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
-        raise self.graph_refusal()
+        if not self.capabilities.cuda_graph:
+            raise self.graph_refusal()
+        return SEQ_LEN_FILL
+
+    get_cpu_graph_seq_len_fill_value = get_cuda_graph_seq_len_fill_value
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """The host part of a graph step, before capture and before every replay: SGLang's batch (or its replay
+        view) into the graph's buffers, checked, and the backend's plan of the same batch object, in place. The
+        graph itself then holds only the layers' forward (``init_forward_metadata_in_graph`` has nothing left)."""
+        graphs = self._graphs
+        if graphs is None:
+            raise (
+                self.graph_refusal()
+                if not self.capabilities.cuda_graph
+                else RuntimeError(f"{self._where}: a graph step before SGLang called init_cuda_graph_state")
+            )
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise self.refusal(
+                f"{mode.name} graphs (only decode graphs run through this adapter; target-verify and draft-decode "
+                "steps run eagerly)",
+                "run SGLang with --disable-cuda-graph",
+            )
+        if not graphs.covers(forward_batch.batch_size):
+            raise RuntimeError(
+                f"{self._where}: a graph of batch size {forward_batch.batch_size} beyond the {graphs.max_bs} SGLang "
+                f"declared in init_cuda_graph_state; {ENGINE_BUG}"
+            )
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        self._kv._table = None
+        self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Nothing: every device tensor the layers read was refreshed in place out of the graph."""
+
+    def init_forward_metadata_capture_cpu_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: Tensor,
+        seq_lens: Tensor,
+        out_cache_loc: Tensor,
+        encoder_lens: Tensor | None,
+        forward_mode: Any,
+        spec_info: Any,
+    ) -> None:
+        """The CPU graph runner's capture of batch size ``bs``: the same host part as a CUDA capture."""
+        if encoder_lens is not None:
+            raise self.refusal("encoder tokens in the batch (cross-attention)")
+        view = SimpleNamespace(
+            batch_size=bs,
+            forward_mode=forward_mode,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
+            out_cache_loc=out_cache_loc,
+            spec_info=spec_info,
+        )
+        self.init_forward_metadata_out_graph(view, in_capture=True)
 
     def forward_mixed(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise self.refusal("the NPU mixed-batch path")

@@ -242,17 +242,25 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
             "speculative_draft_attention_backend",
         )
     }
-    no_graph = sorted(
-        name
-        for name in names
-        if isinstance(name, str) and (caps := _capabilities(name)) is not None and not caps.cuda_graph
-    )
-    if not no_graph:
+    ours = sorted(name for name in names if isinstance(name, str) and _capabilities(name) is not None)
+    no_graph = [name for name in ours if not _capabilities(name).cuda_graph]  # type: ignore[union-attr]
+    speculative = str(getattr(view, "speculative_algorithm", None) or "NONE").upper() not in ("NONE", "")
+    if no_graph:
+        logger.warning(
+            "CUDA graph is disabled because attnhost backend(s) %s declare no CUDA-graph support", ", ".join(no_graph)
+        )
+    elif ours and speculative:
+        logger.warning(
+            "CUDA graph is disabled for attnhost backend(s) %s in speculative decoding: attnhost captures plain "
+            "decode graphs only (docs/graphs.md)",
+            ", ".join(ours),
+        )
+    elif ours:  # decode graphs through the adapter; SGLang's prefill graphs are not attnhost's
+        logger.info("Prefill CUDA graphs are disabled for attnhost backend(s) %s (decode graphs only)", ", ".join(ours))
+    if not ours:
         return
-    logger.warning(
-        "CUDA graph is disabled because attnhost backend(s) %s declare no CUDA-graph support", ", ".join(no_graph)
-    )
-    for phase in (Phase.DECODE, Phase.PREFILL):
+    phases = (Phase.PREFILL,) if not no_graph and not speculative else (Phase.DECODE, Phase.PREFILL)
+    for phase in phases:
         config = resolving_view(server_args).cuda_graph_config
         declare_resolution(
             server_args,

@@ -88,13 +88,17 @@ class SGLangMultiStepDraftBackend:
         for step, backend in enumerate(self.attn_backends):
             backend.plan_draft_step(forward_batch, table, prefix, row_bounds, per_row[:, step], step)
 
+    def _graph_refusal(self) -> Exception:
+        return self.attn_backends[0].refusal(
+            "draft-decode graphs (the draft's multi-step decode runs eagerly through attnhost)",
+            "run SGLang with --disable-cuda-graph",
+        )
+
     def init_forward_metadata_out_graph(self, forward_batch: SGLangBatch, in_capture: bool = False) -> None:
-        if in_capture:
-            raise self.attn_backends[0].graph_refusal()
-        self.init_forward_metadata(forward_batch)
+        raise self._graph_refusal()
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise self.attn_backends[0].graph_refusal()
+        raise self._graph_refusal()
 
     def init_forward_metadata_in_graph(self, forward_batch: SGLangBatch) -> None:
-        raise self.attn_backends[0].graph_refusal()
+        raise self._graph_refusal()
