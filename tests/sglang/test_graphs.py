@@ -250,5 +250,5 @@ def test_target_verify_graphs_are_refused_by_name() -> None:
     adapter = _fixture("batched_matmul").backend
     adapter.init_cuda_graph_state(CAPTURED, CAPTURED)
     view = SimpleNamespace(batch_size=2, forward_mode=ForwardMode.TARGET_VERIFY)
-    with pytest.raises(UnsupportedFeatureError, match="TARGET_VERIFY graphs.*--disable-cuda-graph"):
+    with pytest.raises(UnsupportedFeatureError, match=r"TARGET_VERIFY graphs.*--disable-cuda-graph"):
         adapter.init_forward_metadata_out_graph(view, in_capture=True)

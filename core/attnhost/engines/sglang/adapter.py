@@ -544,12 +544,11 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             # the draft's branch rows need the multi-step container
             raise self.refusal("speculative draft decode over tree branches outside its multi-step container")
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
-        graphs = self._graphs
-        if self._cpu_graphs and graphs is not None and attnhost_mode is ForwardMode.DECODE:
-            if graphs.covers(forward_batch.batch_size):  # the CPU graph runner runs it compiled: its graph batch
-                self._kv._table = None
-                self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
-                return
+        graphs = self._graphs if self._cpu_graphs and attnhost_mode is ForwardMode.DECODE else None
+        if graphs is not None and graphs.covers(forward_batch.batch_size):  # the CPU graph runner runs it compiled
+            self._kv._table = None
+            self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
+            return
         if attnhost_mode is ForwardMode.TARGET_VERIFY:
             batch = self._verify_batch(forward_batch, spec_info)
         else:

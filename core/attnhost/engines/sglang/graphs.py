@@ -39,12 +39,11 @@ class DecodeGraphs:
         self.kv = kv
         self.max_bs = max_bs
         self.table_shape = table_shape
-        make = {"dtype": torch.int64, "device": device}
-        self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, **make)  # type: ignore[arg-type]
+        self.seq_lens = torch.full((max_bs,), SEQ_LEN_FILL, dtype=torch.int64, device=device)
         self.prefix_lens = self.seq_lens - 1
-        self.extend_lens = torch.ones((max_bs,), **make)  # type: ignore[arg-type]
-        self.rows = torch.zeros((max_bs,), **make)  # type: ignore[arg-type]
-        self.out_cache_loc = torch.zeros((max_bs,), **make)  # type: ignore[arg-type]
+        self.extend_lens = torch.ones((max_bs,), dtype=torch.int64, device=device)
+        self.rows = torch.zeros((max_bs,), dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros((max_bs,), dtype=torch.int64, device=device)
         self.batches: dict[int, ForwardBatch] = {}
 
     def covers(self, batch_size: int) -> bool:
