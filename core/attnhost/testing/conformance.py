@@ -77,6 +77,7 @@ from attnhost.resolution import DraftResolution
 from attnhost.runner import ModelRunner
 from attnhost.testing.cache_conformance import CacheConformance
 from attnhost.testing.cases import HEAD_LAYOUTS, SPECULATIVE_TREES
+from attnhost.testing.graph_conformance import GraphConformance
 from attnhost.testing.harness import LayerRun, Request, fail, same_bits, stored
 from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import tree_mask
@@ -125,7 +126,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance(MLAConformance, VariantConformance, CacheConformance):
+class BackendConformance(MLAConformance, VariantConformance, CacheConformance, GraphConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     # -- the spec -----------------------------------------------------------------------

@@ -134,8 +134,9 @@ def slot_table(
     if longest:
         table[:, :longest] = req_to_token.index_select(0, req_pool_indices.to(torch.int64))[:, :longest]
     device = req_to_token.device
-    rows = torch.tensor([row for row, e in enumerate(extend_cpu) for _ in range(e)], device=device)
-    steps = torch.tensor([j for e in extend_cpu for j in range(e)], device=device)
+    # host lists to the device without a blocking copy (a blocking one waits for the stream on a GPU)
+    rows = torch.tensor([row for row, e in enumerate(extend_cpu) for _ in range(e)]).to(device, non_blocking=True)
+    steps = torch.tensor([j for e in extend_cpu for j in range(e)]).to(device, non_blocking=True)
     cols = prefix_lens.to(device=device, dtype=torch.int64).index_select(0, rows) + steps
     table.index_put_((rows, cols), out_cache_loc.to(device=device, dtype=table.dtype))
     return table
