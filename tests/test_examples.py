@@ -28,11 +28,12 @@ BACKENDS = {
     "cpu_paged": ("attnhost-cpukernels", "attnhost-cpukernels", "0.1.0", "cpukernels"),  # a C++ extension
 }
 #: Why a kit test of an example may skip: a capability it does not declare (tiny and batched_matmul: flat_heads;
-#: tiny and cpu_paged: mla and the attention variants; all three: FP8 caches), or the refusal check of one it
-#: does (batched_matmul declares mla).
+#: tiny and cpu_paged: mla, the attention variants and graph support; all three: FP8 caches), or the refusal check
+#: of one it does (batched_matmul declares mla).
 NOT_DECLARED = (
     "does not declare the FP8 cache",
     "does not declare flat_heads",
+    "does not declare cuda_graph",
     "does not declare mla",
     "declares mla",
     *(f"does not declare {flag}" for flag in ("sliding_window", "logit_cap", "sinks", "non_causal")),

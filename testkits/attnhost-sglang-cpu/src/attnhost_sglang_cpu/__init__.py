@@ -6,7 +6,9 @@ distribution's README.md). The parts:
 
 * :mod:`.platform`: the out-of-tree SGLang platform (``sglang.srt.platforms``
   entry point ``attnhost_test_cpu``), torch-only code paths, speculative
-  decoding allowed;
+  decoding allowed; with ``ATTNHOST_TEST_CPU_GRAPHS=1`` its graph variant, which
+  runs SGLang's own ``CPUGraphRunner`` (:mod:`.compile_ops`: stand-ins for the
+  ``sgl_kernel`` operators that runner registers fake kernels for);
 * :mod:`.plugin`: a general SGLang plugin that, on that platform only, puts
   pure-torch stand-ins (:mod:`.spec_kernels`) in place of the two tree kernels
   SGLang refuses to run on an out-of-tree platform;

@@ -81,8 +81,37 @@ class AttnhostTestCpuPlatform(CpuDeviceMixin, SRTPlatform):
         return assign_extend_cache_locs
 
 
+class AttnhostTestCpuGraphPlatform(AttnhostTestCpuPlatform):
+    """The same platform with SGLang's decode graphs on: its own ``CPUGraphRunner`` (``torch.compile`` of the
+    model with ``--enable-torch-compile``, the eager forward without), as SGLang's in-tree CPU platform has it.
+    Selected with ``ATTNHOST_TEST_CPU_GRAPHS=1`` beside ``SGLANG_PLATFORM``."""
+
+    capabilities = PlatformCapabilities(graph_capture=True)
+
+    def get_graph_runner_cls(self) -> type | None:
+        """SGLang's ``CPUGraphRunner``, started with :mod:`.compile_ops`' stand-ins for the ``sgl_kernel``
+        operators it registers fake kernels for."""
+        from sglang.srt.model_executor.cpu_graph_runner import CPUGraphRunner
+
+        from attnhost_sglang_cpu.compile_ops import sgl_kernel_stand_ins
+
+        class TestCpuGraphRunner(CPUGraphRunner):
+            def __init__(self, model_runner: Any) -> None:
+                with sgl_kernel_stand_ins():
+                    super().__init__(model_runner)
+
+        return TestCpuGraphRunner
+
+
+#: Beside ``SGLANG_PLATFORM``, selects :class:`AttnhostTestCpuGraphPlatform`.
+GRAPHS_ENV = "ATTNHOST_TEST_CPU_GRAPHS"
+
+
 def activate() -> str | None:
     """SGLang's platform activation hook: this platform's class path when selected, else ``None``."""
     if not platform_selected():
         return None
-    return f"{__name__}:{AttnhostTestCpuPlatform.__qualname__}"
+    import os
+
+    chosen = AttnhostTestCpuGraphPlatform if os.environ.get(GRAPHS_ENV) == "1" else AttnhostTestCpuPlatform
+    return f"{__name__}:{chosen.__qualname__}"

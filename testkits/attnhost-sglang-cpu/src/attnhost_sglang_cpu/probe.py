@@ -24,6 +24,12 @@ changes no argument and no result:
   got from SGLang's ``DraftBackendFactory`` (whoever supplied it), its per-step
   children, and the draft-extend backend.
 
+* AFTER ``CPUGraphRunner.capture_one_batch_size`` and ``prepare_replay`` (the
+  test platform's graph variant): a ``graph_capture`` record per captured batch
+  size and a ``graph_replay`` record per replayed step (the batch size SGLang
+  asked for and the captured size it ran, padded when larger), with the
+  runner's attention backend class.
+
 More backend classes can be named in ``ATTNHOST_TEST_PROBE_TARGETS``
 (comma-separated ``module:Class``): an attnhost backend class named there also
 gets its MLA methods (``forward_mla_mha``, ``forward_mla_mqa``) hooked when it
@@ -60,6 +66,7 @@ MLA_METHODS = ("forward_mla_mha", "forward_mla_mqa")
 BASE = ("sglang.srt.layers.attention.base_attn_backend", "AttentionBackend")
 RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 DRAFT_WORKER = "sglang.srt.speculative.eagle_worker_v2.EagleDraftWorker"
+CPU_GRAPH_RUNNER = "sglang.srt.model_executor.cpu_graph_runner.CPUGraphRunner"
 
 _lock = threading.Lock()
 _seen: set[tuple[Any, ...]] = set()
@@ -199,6 +206,25 @@ def _after_draft_init_attention_backend(result: object, worker: Any, *args: Any,
     )
 
 
+def _after_graph_capture(result: object, graph_runner: Any, *args: Any, **kwargs: Any) -> None:
+    bs = kwargs.get("bs", args[0] if args else None)
+    backend = graph_runner.model_runner.attn_backend
+    _write({"event": "graph_capture", "bs": bs, "backend_class": _qualified(backend)})
+
+
+def _after_graph_replay(result: Any, graph_runner: Any, *args: Any, **kwargs: Any) -> None:
+    forward_batch = kwargs.get("forward_batch", args[0] if args else None)
+    backend = graph_runner.model_runner.attn_backend
+    _write(
+        {
+            "event": "graph_replay",
+            "asked_bs": getattr(forward_batch, "batch_size", None),
+            "ran_bs": getattr(result, "batch_size", None),
+            "backend_class": _qualified(backend),
+        }
+    )
+
+
 def _targets(defaults: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
     named = [t.strip().partition(":") for t in os.environ.get(TARGETS_ENV, "").split(",") if ":" in t]
     return [(m, c) for m, c in [*defaults, *((m, c) for m, _, c in named)] if _installed(m)]
@@ -224,6 +250,8 @@ def register() -> None:
                 HookRegistry.register(f"{module}.{cls}.{method}", _forward_hook(method), HookType.AFTER)
     for module, cls in _targets(CONTAINER_TARGETS):
         HookRegistry.register(f"{module}.{cls}.init_forward_metadata", _after_init_forward_metadata, HookType.AFTER)
+    HookRegistry.register(f"{CPU_GRAPH_RUNNER}.capture_one_batch_size", _after_graph_capture, HookType.AFTER)
+    HookRegistry.register(f"{CPU_GRAPH_RUNNER}.prepare_replay", _after_graph_replay, HookType.AFTER)
 
 
 def _has(module: str, cls: str, method: str) -> bool:
