@@ -42,28 +42,38 @@ SHAPE = {
 
 _ENGINE = r"""
 import json, sys, time
-from attnhost_sglang_cpu import shim; shim.install()
-import sglang as sgl
-model, backend = sys.argv[1], sys.argv[2]
-bs, graphs, rounds, new = int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])
-if graphs:
-    args = {"cuda_graph_bs_decode": [1, 2, 4], "enable_torch_compile": True, "torch_compile_max_bs": 4}
-else:
-    args = {"disable_cuda_graph": True}
-engine = sgl.Engine(
-    model_path=model, attention_backend=backend, device="cpu", dtype="float32", random_seed=0, log_level="error",
-    max_total_tokens=4096, **args,
-)
-prompts = [[1, 5 + i, 9, 13 + i, 21] for i in range(bs)]
-params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
-engine.generate(input_ids=prompts, sampling_params=params)
-times = []
-for _ in range(rounds):
-    start = time.perf_counter()
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    times.append(time.perf_counter() - start)
-engine.shutdown()
-print("RESULT " + json.dumps({"times": times, "ids": [o["output_ids"] for o in outs]}))
+from attnhost_sglang_cpu import shim
+
+shim.install()  # at module level: SGLang's spawned scheduler re-imports this file and needs the shim too
+
+
+def main():
+    import sglang as sgl
+
+    model, backend = sys.argv[1], sys.argv[2]
+    bs, graphs, rounds, new = int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5]), int(sys.argv[6])
+    if graphs:
+        args = {"cuda_graph_bs_decode": [1, 2, 4], "enable_torch_compile": True, "torch_compile_max_bs": 4}
+    else:
+        args = {"disable_cuda_graph": True}
+    engine = sgl.Engine(
+        model_path=model, attention_backend=backend, device="cpu", dtype="float32", random_seed=0,
+        log_level="error", max_total_tokens=4096, **args,
+    )
+    prompts = [[1, 5 + i, 9, 13 + i, 21] for i in range(bs)]
+    params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+    engine.generate(input_ids=prompts, sampling_params=params)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    print("RESULT " + json.dumps({"times": times, "ids": [o["output_ids"] for o in outs]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -80,7 +90,9 @@ def engine_tokens_per_second(model: Path, backend: str, bs: int, graphs: bool, r
     from attnhost_sglang_cpu import sglang_env
 
     env = sglang_env({"ATTNHOST_TEST_CPU_GRAPHS": "1"})
-    cmd = [sys.executable, "-c", _ENGINE, str(model), backend, str(bs), "1" if graphs else "0", str(rounds)]
+    script = model.parent / "engine.py"
+    script.write_text(_ENGINE)
+    cmd = [sys.executable, str(script), str(model), backend, str(bs), "1" if graphs else "0", str(rounds)]
     proc = subprocess.run([*cmd, str(NEW_TOKENS)], capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
     line = next((li for li in proc.stdout.splitlines() if li.startswith("RESULT ")), None)
     if line is None:

@@ -619,8 +619,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         (``batch_checks``). ``device_lens`` are SGLang's ``seq_lens``: ``prefix + extend`` for an extend or a decode
         (equal to the host's where ``exact``, else within them and at least ``least``), the committed prefix for a
         verify or a draft round (within ``prefix_cpu``, the host's bounds). ``write_slots``: the slots a draft round
-        writes, where ``out_cache_loc`` holds a wider window than its steps. A graph batch's padded rows all write
-        SGLang's reserved slot 0."""
+        writes, where ``out_cache_loc`` holds a wider window than its steps. (A graph batch, whose padded rows all
+        write SGLang's slot 0, is checked by ``graphs.DecodeGraphs.refresh``.)"""
         loc = forward_batch.out_cache_loc if write_slots is None else write_slots
         shape = self._table_shape
         count = loc.numel() if write_slots is None else sum(extend_cpu)
@@ -639,7 +639,6 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             num_slots=self._num_slots,
             num_rows=shape[0],
             way_out=ENGINE_BUG,
-            padding_slot=None if exact else 0,
         )
 
     def _batch_of(self, **fields: Any) -> ForwardBatch:
