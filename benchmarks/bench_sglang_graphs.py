@@ -8,7 +8,8 @@ per-batch host time.
    ``batched_matmul`` (attnhost's graph-capable example) eagerly (``--disable-cuda-graph``) and inside the CPU
    graph runner with ``--enable-torch-compile`` (captured sizes 1, 2, 4), at batch 1 and 4. Each engine first
    generates once (warm-up, and the graphs' compilation), then the timed generations: decode tokens per second
-   over ``NEW_TOKENS`` new tokens a request, the prefill of a few tokens included. The ratio is graph / eager.
+   over ``NEW_TOKENS`` new tokens a request, the prefill of a few tokens included, ``--context-length``
+   :data:`CONTEXT`. The ratio is graph / eager.
    ``attnhost_torch_native`` and ``cpu_paged`` declare no graph support, so SGLang runs them eagerly whatever it
    is asked; their eager figure is printed beside for scale.
 2. **The adapter's per-batch host time** (``init_forward_metadata`` of SGLang's adapter on the kit's dense decode
@@ -31,6 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, Stats, interleaved, machine, per_call
 
 NEW_TOKENS = 32
+CONTEXT = 128
+"""The engines' ``--context-length``: a captured graph plans every request to it (the host's bound), so a backend
+without a variable-length kernel, as ``batched_matmul``, pays for it in every decode step; 128 is about three
+times what the requests use (a 1,024 context made ``batched_matmul``'s graph steps 0.7x the eager ones here)."""
 SHAPE = {
     "hidden_size": 512,
     "intermediate_size": 1024,
@@ -58,7 +63,7 @@ def main():
         args = {"disable_cuda_graph": True}
     engine = sgl.Engine(
         model_path=model, attention_backend=backend, device="cpu", dtype="float32", random_seed=0,
-        log_level="error", max_total_tokens=4096, **args,
+        log_level="error", max_total_tokens=4096, context_length=int(sys.argv[7]), **args,
     )
     prompts = [[1, 5 + i, 9, 13 + i, 21] for i in range(bs)]
     params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
@@ -93,7 +98,8 @@ def engine_tokens_per_second(model: Path, backend: str, bs: int, graphs: bool, r
     script = model.parent / "engine.py"
     script.write_text(_ENGINE)
     cmd = [sys.executable, str(script), str(model), backend, str(bs), "1" if graphs else "0", str(rounds)]
-    proc = subprocess.run([*cmd, str(NEW_TOKENS)], capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
+    cmd += [str(NEW_TOKENS), str(CONTEXT)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, cwd=REPO)
     line = next((li for li in proc.stdout.splitlines() if li.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"{backend} bs={bs} graphs={graphs}: the engine failed:\n{proc.stderr[-3000:]}")
