@@ -7,7 +7,8 @@ each generates the kit's prompts, then a prefix-cached second pass. References, 
 * the float cache in blocks of 16: HF transformers' greedy ids (vLLM's ``CPU_ATTN`` takes multiples of 32 only);
 * the FP8 cache: HF's eager attention over the keys and values an FP8 cache holds
   (:func:`attnhost_vllm_engine_cpu.cache_formats.hf_greedy_fp8`), and vLLM's own ``CPU_ATTN`` with the same
-  cache where this CPU lets it read one (AVX-512 or AMX; it raises otherwise, so it is skipped by name).
+  cache where this CPU lets it read one (AVX-512 or AMX; it raises otherwise, so it is skipped by name), held to
+  the first token of each continuation (its kernel is not exact to the reference's last bit).
 
 The adapter's forwards are seen with the float8 cache dtype and page size 16 (the kit's probe).
 """
@@ -80,9 +81,9 @@ def test_torch_native_fp8_blocks_of_16_equal_the_fp8_reference(engines: dict[str
     assert _seen_cache(records, "torch_native") == {("float8_e4m3fn", BLOCK)}, records
     assert {(False, "EXTEND"), (False, "MIXED"), (False, "DECODE")} <= paths_seen(records, "torch_native")
     assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
-    if "CPU_ATTN fp8" in engines["names"]:
+    if "CPU_ATTN fp8" in engines["names"]:  # vLLM's own kernel agrees where it is exact (its first tokens)
         reference, _ = _run(engines, "CPU_ATTN fp8")
-        assert result["passes"] == reference["passes"], (result["passes"], reference["passes"])
+        assert _first_tokens(result["passes"]) == _first_tokens(reference["passes"]), (result, reference["passes"])
     assert not engines["outcome"].left_running, engines["outcome"].left_running
 
 
@@ -102,8 +103,20 @@ def test_compiled_example_fp8_blocks_of_16(engines: dict[str, Any]) -> None:
 
 
 def test_vllm_cpu_attn_reads_fp8_here(engines: dict[str, Any]) -> None:
-    """vLLM's own reference for the FP8 cache, where this CPU has it (compared in the torch_native test)."""
+    """vLLM's own kernel over the same FP8 cache, where this CPU lets it read one (AVX-512 or AMX): a whole
+    continuation of every prompt, each starting with the token of HF's reference over the FP8 cache's values.
+
+    Only the first token is held to the reference: vLLM's FP8 kernel does not compute exactly what the contract's
+    reference does (on an AVX-512 machine here its greedy ids left HF's FP8 reference at the sixth of eight
+    tokens, where attnhost's torch_native over the same cache stays on it to the last), and a random tiny model's
+    later tokens turn on differences that small."""
     if "CPU_ATTN fp8" not in engines["names"]:
         pytest.skip("vLLM's CPU_ATTN reads an FP8 cache only on x86 with AVX-512 or AMX, which this CPU lacks")
     result, _ = _run(engines, "CPU_ATTN fp8")
-    assert result["passes"] == engines["hf_fp8"], (result["passes"], engines["hf_fp8"])
+    assert [[len(ids) for ids in p] for p in result["passes"]] == [[NEW_TOKENS] * len(p) for p in engines["hf_fp8"]]
+    assert _first_tokens(result["passes"]) == _first_tokens(engines["hf_fp8"]), (result["passes"], engines["hf_fp8"])
+
+
+def _first_tokens(passes: list[list[list[int]]]) -> list[list[int]]:
+    """Each pass's first generated token per prompt."""
+    return [[ids[0] for ids in one_pass] for one_pass in passes]
