@@ -34,8 +34,8 @@ from _common import REPO, Stats, interleaved, machine, per_call
 NEW_TOKENS = 32
 CONTEXT = 128
 """The engines' ``--context-length``: a captured graph plans every request to it (the host's bound), so a backend
-without a variable-length kernel, as ``batched_matmul``, pays for it in every decode step; 128 is about three
-times what the requests use (a 1,024 context made ``batched_matmul``'s graph steps 0.7x the eager ones here)."""
+without a variable-length kernel, as ``batched_matmul``, pays for it in every decode step; this one is a few times
+what the requests use (BENCHMARKS.md has the figures at a longer context too)."""
 SHAPE = {
     "hidden_size": 512,
     "intermediate_size": 1024,

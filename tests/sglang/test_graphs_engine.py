@@ -29,8 +29,8 @@ CAPTURED = [1, 2, 4]
 
 @pytest.fixture(scope="module")
 def graph_run(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> tuple[EngineRuns, list[list[int]]]:
-    """One engine with SGLang's CPU graph runner and ``torch.compile`` (about a minute and a half here, most of it
-    compiling three batch sizes): a configuration no other test shares. Three prompts (the fixture's two and the
+    """One engine with SGLang's CPU graph runner and ``torch.compile`` (its start compiles three batch sizes, so
+    this is one of the slow set-ups): a configuration no other test shares. Three prompts (the fixture's two and the
     first without its last token) and HF's greedy ids for them."""
     import attnhost_sglang_cpu.tiny_model as tm
 

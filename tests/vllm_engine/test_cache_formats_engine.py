@@ -107,9 +107,9 @@ def test_vllm_cpu_attn_reads_fp8_here(engines: dict[str, Any]) -> None:
     continuation of every prompt, each starting with the token of HF's reference over the FP8 cache's values.
 
     Only the first token is held to the reference: vLLM's FP8 kernel does not compute exactly what the contract's
-    reference does (on an AVX-512 machine here its greedy ids left HF's FP8 reference at the sixth of eight
-    tokens, where attnhost's torch_native over the same cache stays on it to the last), and a random tiny model's
-    later tokens turn on differences that small."""
+    reference does (on an AVX-512 machine its greedy ids leave HF's FP8 reference a few tokens in, where attnhost's
+    torch_native over the same cache stays on it to the last), and a random tiny model's later tokens turn on
+    differences that small."""
     if "CPU_ATTN fp8" not in engines["names"]:
         pytest.skip("vLLM's CPU_ATTN reads an FP8 cache only on x86 with AVX-512 or AMX, which this CPU lacks")
     result, _ = _run(engines, "CPU_ATTN fp8")
