@@ -242,6 +242,14 @@ def copy_skipping_padding(store: torch.Tensor, loc: torch.Tensor, rows: torch.Te
     store.index_copy_(0, target, torch.where(keep, rows, anchored))
 
 
+def host_seq_lens(m: CommonAttentionMetadata, num_reqs: int, query_lens: list[int], *, exact: bool) -> tuple[int, ...]:
+    """The requests' lengths on the host: ``exact``, read from the device's ``seq_lens`` (one read, on behalf of a
+    backend that plans from exact lengths, as vLLM's host copy is only a bound), else :func:`seq_len_bounds`."""
+    if exact:
+        return tuple(m.seq_lens[:num_reqs].tolist())
+    return seq_len_bounds(m, num_reqs, query_lens)
+
+
 def seq_len_bounds(m: CommonAttentionMetadata, num_reqs: int, query_lens: list[int]) -> tuple[int, ...]:
     """Host bounds of the requests' lengths, never read from the device: vLLM's ``seq_lens_cpu_upper_bound``
     (exact but for async speculative decode rows, where it assumes every draft was accepted), else its
@@ -410,8 +418,11 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         if num_reqs == 0:
             return AttnhostVLLMMetadata(None, None, self.attnhost_backend, 0)
         seq_lens = m.seq_lens[:num_reqs]
-        seq_cpu = seq_len_bounds(m, num_reqs, query_lens)
+        graph = self.identity.capabilities.cuda_graph
+        seq_cpu = host_seq_lens(m, num_reqs, query_lens, exact=not graph)
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
+        if min(prefix_cpu) < 0:
+            raise RuntimeError(f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len")
         num_tokens = starts[num_reqs]
         extend_lens = m.query_start_loc[1 : num_reqs + 1] - m.query_start_loc[:num_reqs]
         if max(query_lens) == 1:
@@ -431,16 +442,8 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             seq_lens_cpu=seq_cpu,
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=tuple(query_lens),
-            host_lengths_exact=False,
+            host_lengths_exact=not graph,
         )
-        graph = self.identity.capabilities.cuda_graph
-        if not graph:
-            # the backend plans from exact host lengths, and vLLM's host copy is only a bound: one read on its behalf
-            batch = batch.with_exact_host_lengths()
-            if min(batch.prefix_lens_cpu) < 0:
-                raise RuntimeError(
-                    f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len"
-                )
         # the batch's page_table (ForwardBatch builds it lazily from req_to_token) is vLLM's own block table: the
         # same numbers, without the rebuild; slot = block * block_size + offset in both
         vars(batch)["page_table"] = pages

@@ -58,10 +58,10 @@ from attnhost.engines.vllm.adapter import (
     _Identity,
     _layer_ids,
     copy_skipping_padding,
+    host_seq_lens,
     make_identity,
     named_class,
     refuse_impl_args,
-    seq_len_bounds,
     supported_dtypes,
 )
 from attnhost.forward_batch import ForwardBatch
@@ -183,7 +183,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
         exact = not self.identity.capabilities.cuda_graph
         # a graph-capable backend plans from vLLM's host bounds (exact for prefill rows, which alone take the MHA
         # form); any other plans from exact lengths, read on its behalf
-        seq_cpu = tuple(seq_lens.tolist()) if exact else seq_len_bounds(m, num_reqs, query_lens)
+        seq_cpu = host_seq_lens(m, num_reqs, query_lens, exact=exact)
         prefix_cpu = tuple(s - q for s, q in zip(seq_cpu, query_lens, strict=True))
         if min(prefix_cpu) < 0:
             raise RuntimeError(f"{self.identity.where}: vLLM sent a request with more query tokens than its seq_len")
