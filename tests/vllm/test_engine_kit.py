@@ -29,16 +29,25 @@ KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
 #: matrix, batches x head layouts x block sizes x dtypes; one per vLLM KV-cache layout (6); the MLA cases, skipped
 #: for a backend that does not declare mla; the variant cases, skipped for a backend that declares no variant; the
-#: FP8 cache cases (vLLM's three FP8 names x batches x block sizes 16 and 32 x dtypes), skipped without FP8 caches
+#: FP8 cache cases (vLLM's three FP8 names x batches x block sizes 16 and 32 x dtypes), skipped without FP8 caches;
+#: the graph cases (decode and verify, eager and compiled), skipped for a backend that does not declare cuda_graph
+GRAPH_CASES = 4
 MLA_CASES = len(KIT_MLA_CASES)
 VARIANT_CASES = len(KIT_VARIANT_CASES)
 CACHE_CASES = len(KIT_CACHE_CASES)
 ALL_DTYPES = (
-    5 + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES) + 6 + MLA_CASES + VARIANT_CASES + CACHE_CASES
+    5
+    + len(BATCHES) * len(SHAPES) * len(BLOCK_SIZES) * len(DTYPES)
+    + 6
+    + MLA_CASES
+    + VARIANT_CASES
+    + CACHE_CASES
+    + GRAPH_CASES
 )
 MLA_BACKENDS = {"torch_native", "batched_matmul"}  # the project backends that declare mla
 VARIANT_BACKENDS = {"torch_native", "batched_matmul"}  # those that declare every variant (the others declare none)
 FP8_BACKENDS = {"torch_native", "cpu_paged"}  # those that declare both FP8 caches (the others declare none)
+GRAPH_BACKENDS = {"tiny", "batched_matmul", "cpu_paged"}  # those that declare cuda_graph
 PROJECT_BACKENDS = ["torch_native", "tiny", "batched_matmul", "cpu_paged"]
 
 WRONG = '''
@@ -180,6 +189,7 @@ def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: P
         (0 if name in MLA_BACKENDS else MLA_CASES)
         + (0 if name in VARIANT_BACKENDS else VARIANT_CASES)
         + (0 if name in FP8_BACKENDS else CACHE_CASES)
+        + (0 if name in GRAPH_BACKENDS else GRAPH_CASES)
     )
     expected = {"passed": ALL_DTYPES - skipped, **({"skipped": skipped} if skipped else {})}
     assert counts(output) == expected, output[-2000:]

@@ -2,7 +2,12 @@
 
 * the examples (``tiny``, ``batched_matmul`` and the compiled ``cpu_paged``) in ``LLM.generate``: greedy ids
   equal to HF transformers' over prefill, chunked prefill batched with decodes, decode and a prefix-cached
-  second pass, each engine in turn in one driver process;
+  second pass, each engine in turn in one driver process, their decode steps on the adapter's persistent uniform
+  batches (all three declare graph support: these are the batches vLLM's CUDA graphs capture and replay on a
+  GPU); then ``batched_matmul`` and ``cpu_paged`` again with vLLM's own compilation on (what its CPU platform does
+  unless ``enforce_eager``: the model traced by ``torch.compile``, attention between its pieces), and EAGLE
+  speculative decoding with ``batched_matmul`` as target and drafter (its verify and draft steps on uniform
+  batches too), the same ids;
 * vLLM's OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server``) with
   ``--attention-backend`` naming the compiled example: a ``/v1/completions`` request with token-id prompts
   returns HF's greedy ids, the probe shows the example ran prefill, mixed and decode batches in the server's
@@ -35,6 +40,7 @@ from attnhost_vllm_engine_cpu.engines import (
     generate_run,
     paths_seen,
     run_engines,
+    speculative_run,
 )
 from attnhost_vllm_engine_cpu.ranks import RANK_ENV
 from attnhost_vllm_engine_cpu.serve import serve_completions
@@ -42,6 +48,8 @@ from attnhost_vllm_engine_cpu.serve import serve_completions
 from attnhost.engines.vllm.names import vllm_name
 
 EXAMPLES = ("tiny", "batched_matmul", "cpu_paged")
+COMPILED = ("batched_matmul", "cpu_paged")
+"""The examples also run with vLLM's compilation on (all three declare ``cuda_graph``)."""
 SERVED = "cpu_paged"  # the compiled example: a kernel built outside Python, as a vendor's would be
 MISMATCH_BOUND = 600  # seconds: two ranks import vLLM, load the model and meet at the check, on shared cores
 
@@ -53,16 +61,28 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 
 def test_examples_generate_hf_greedy_ids(models: Models, tmp_path: Path) -> None:
     runs = [generate_run(models, vllm_name(name)) for name in EXAMPLES]
+    runs += [generate_run(models, vllm_name(name), enforce_eager=False) for name in COMPILED]
+    speculative = vllm_name("batched_matmul")
+    runs.append(speculative_run(models, "eagle", speculative, speculative))
     outcome = run_engines(models.target, runs, tmp_path, **IN_PROCESS)  # single-rank: engine cores in the driver
-    for i, name in enumerate(EXAMPLES):
-        result = outcome.result(i, f"LLM.generate with attnhost backend {name!r}")
+    for i, name in enumerate(EXAMPLES + COMPILED):
+        compiled = i >= len(EXAMPLES)
+        what = f"LLM.generate with attnhost backend {name!r}{' and compilation on' if compiled else ''}"
+        result = outcome.result(i, what)
         assert result["passes"] == [models.hf_ids, models.hf_second], (
-            f"{name}: greedy ids {result['passes']} differ from HF's {[models.hf_ids, models.hf_second]}"
+            f"{what}: greedy ids {result['passes']} differ from HF's {[models.hf_ids, models.hf_second]}"
         )
         seen = paths_seen(outcome.records[i], name)
-        assert {(False, "EXTEND"), (False, "MIXED"), (False, "DECODE")} <= seen, f"{name}: ran {sorted(seen)}"
-        assert any(b["extend_with_prefix"] for b in batches_seen(outcome.records[i], name)), name
+        assert {(False, "EXTEND"), (False, "MIXED"), (False, "DECODE")} <= seen, f"{what}: ran {sorted(seen)}"
+        assert any(b["extend_with_prefix"] for b in batches_seen(outcome.records[i], name)), what
         assert result["counters"]["vllm:prefix_cache_hits"] > 0, result["counters"]
+        # each declares cuda_graph: its decode steps run on the persistent batches vLLM's CUDA graphs would replay
+        uniform = {b["mode"] for b in batches_seen(outcome.records[i], name) if b["uniform"]}
+        assert uniform == {"DECODE"}, f"{what}: uniform batches {uniform}"
+    eagle = outcome.result(len(runs) - 1, "EAGLE speculative decoding with batched_matmul as target and drafter")
+    assert eagle["passes"] == [models.hf_ids], f"EAGLE with batched_matmul: {eagle['passes']} differ from HF's"
+    seen = {(b["draft"], b["mode"]) for b in batches_seen(outcome.records[-1], "batched_matmul") if b["uniform"]}
+    assert {(False, "EXTEND"), (True, "DECODE")} <= seen, f"EAGLE with batched_matmul: uniform batches {seen}"
     assert not outcome.left_running, outcome.left_running
 
 

@@ -69,6 +69,7 @@ from vllm.v1.kv_cache_interface import (
 from attnhost.backend import AttentionBackend, BackendCapabilities, build_backend, capabilities_of, dtype_name
 from attnhost.engines.export import ExportedBackend
 from attnhost.engines.runner_view import RunnerView
+from attnhost.engines.vllm.graphs import UniformBatches
 from attnhost.engines.vllm.names import BACKENDS_MODULE
 from attnhost.engines.vllm.variants import (
     WINDOWED_NON_CAUSAL,
@@ -343,10 +344,16 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
 
 
 class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]):  # type: ignore[misc]
-    """Builds the attnhost backend once, then one attnhost batch per vLLM batch from ``CommonAttentionMetadata``."""
+    """Builds the attnhost backend once, then one attnhost batch per vLLM batch from ``CommonAttentionMetadata``.
+
+    For a backend that declares ``cuda_graph``, a uniform batch (every request with the same query length, as vLLM
+    captures and replays them) is the same attnhost batch object at every step of its size, over buffers
+    refreshed in place (:mod:`attnhost.engines.vllm.graphs`); every other batch is built afresh.
+    """
 
     identity: ClassVar[_Identity]
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    graphs_supported: ClassVar[bool] = True
+    """Whether this builder serves vLLM's full CUDA graphs for a backend that declares ``cuda_graph``."""
     reorder_batch_threshold: int | None = None
     kv_cache_cls: ClassVar[type[VLLMKVCache]] = VLLMKVCache
     """The attnhost cache over vLLM's tensors that backends get (the MLA builder's reads latent rows)."""
@@ -368,8 +375,24 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         self.views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(self.block_size, dtype=torch.int64, device=self.device)
         self._rows = torch.arange(0, dtype=torch.int64, device=self.device)
+        self.graphs: UniformBatches[VLLMKVCache] | None = None
+        if self.get_cudagraph_support(vllm_config, kv_cache_spec) != AttentionCGSupport.NEVER:
+            self.graphs = UniformBatches(self.device, self.block_size, _graph_tokens(vllm_config), self._cache_over)
         default_host().freeze(by="a vLLM attention metadata builder")
         self.attnhost_backend = self.new_attnhost_backend()
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any) -> AttentionCGSupport:
+        """``UNIFORM_BATCH`` for a backend that declares ``cuda_graph``: vLLM then captures decode and speculative
+        verify batches (every request with the same query length) whole, padded to the captured size, and runs
+        mixed batches between the pieces of its graphs; ``NEVER`` otherwise (vLLM keeps attention out of its
+        graphs)."""
+        if cls.graphs_supported and cls.identity.capabilities.cuda_graph:
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.NEVER
+
+    def _cache_over(self, req_to_token: torch.Tensor) -> VLLMKVCache:
+        return VLLMKVCache(self.device, self.dtype, req_to_token, self.views, self.block_size)
 
     def check_spec(self, kv_cache_spec: Any) -> None:
         """Refuse a KV-cache group this builder cannot serve (before any backend is built)."""
@@ -417,6 +440,13 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         num_reqs = len(query_lens)
         if num_reqs == 0:
             return AttnhostVLLMMetadata(None, None, self.attnhost_backend, 0)
+        if self.graphs is not None and m.causal is True:
+            q = self.graphs.uniform_query_len(m, query_lens)
+            if q is not None:  # a batch vLLM may capture or replay: the same batch object as every step of its size
+                uniform, cache = self.graphs.refresh(m, q)
+                self._plan(uniform)
+                tokens = uniform.num_new_tokens
+                return AttnhostVLLMMetadata(uniform, cache, self.attnhost_backend, tokens, writes_all=True)
         seq_lens = m.seq_lens[:num_reqs]
         graph = self.identity.capabilities.cuda_graph
         seq_cpu = host_seq_lens(m, num_reqs, query_lens, exact=not graph)
@@ -447,14 +477,17 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         # the batch's page_table (ForwardBatch builds it lazily from req_to_token) is vLLM's own block table: the
         # same numbers, without the rebuild; slot = block * block_size + offset in both
         vars(batch)["page_table"] = pages
-        try:
-            self.attnhost_backend.init_forward_metadata(batch)
-        except (Exception, SystemExit) as exc:
-            raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
+        self._plan(batch)
         if graph:  # the impl writes every row, a padded one (slot -1) nowhere, with no read (set_kv_skipping_padding)
             return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, None, m.causal is True, True)
         written = _slotted_rows(batch.out_cache_loc)
         return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, written, m.causal is True)
+
+    def _plan(self, batch: ForwardBatch) -> None:
+        try:
+            self.attnhost_backend.init_forward_metadata(batch)
+        except (Exception, SystemExit) as exc:
+            raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
 
     def _page_table(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
         """vLLM's ``block_table`` as attnhost's ``page_table``: ``[num_reqs, blocks of the longest request]`` int64."""
@@ -492,10 +525,23 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             raise refuse("reference sliding-window attention (R-SWA)")
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata) -> AttnhostVLLMMetadata:
-        raise self.identity.refuse(
-            "CUDA-graph capture of attention (its metadata is built on the host per batch)",
-            "run vLLM with -cc.cudagraph_mode=PIECEWISE or --enforce-eager",
-        )
+        """The metadata of a batch vLLM is about to capture: a uniform batch's, planned on its persistent buffers
+        (every later step of that size refreshes them in place)."""
+        m = common_attn_metadata
+        if self.graphs is None:
+            raise self.identity.refuse(
+                "CUDA-graph capture of attention (it does not declare BackendCapabilities.cuda_graph)",
+                "run vLLM with -cc.cudagraph_mode=PIECEWISE or --enforce-eager",
+            )
+        _, query_lens = self._query_lens(m)
+        if m.causal is not True or self.graphs.uniform_query_len(m, query_lens) is None:
+            raise self.identity.refuse(
+                f"CUDA-graph capture of this batch (query lengths {query_lens} of {m.num_reqs} requests, "
+                f"{m.num_actual_tokens} tokens): it captures uniform batches only (AttentionCGSupport.UNIFORM_BATCH), "
+                "each request with the same query length, up to vLLM's largest capture size",
+                "run vLLM with -cc.cudagraph_mode=FULL_AND_PIECEWISE or PIECEWISE",
+            )
+        return self.build(0, m)
 
 
 class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[misc]
@@ -665,6 +711,13 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
                 f"set VLLM_KV_CACHE_LAYOUT={KV_LAYOUT.name} or pair it with backends that accept {KV_LAYOUT.name}",
             ) from None
         return flat[..., :dim], flat[..., dim:], kv_cache
+
+
+def _graph_tokens(vllm_config: Any) -> int:
+    """The most tokens vLLM captures in one graph: its largest capture size, or (before vLLM resolved its sizes)
+    as many as it schedules requests."""
+    largest = getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", None)
+    return int(largest or vllm_config.scheduler_config.max_num_seqs)
 
 
 def _fp8_dtype(identity: _Identity, kv_cache_dtype: str) -> torch.dtype | None:

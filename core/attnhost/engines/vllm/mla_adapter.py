@@ -147,6 +147,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
 
     kv_cache_cls = VLLMLatentCache
     reorder_batch_threshold: int | None = 1
+    graphs_supported = False  # the two forms' split is per batch: vLLM keeps MLA attention out of its graphs
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig, device: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)  # checks the spec; the absorbed backend

@@ -46,7 +46,13 @@ has no CPU ``vllm._C``, so no model runs; against each backend, what does:
   or absorbed throughout when a prefill has a cached prefix), block sizes 1 and
   16, in each dtype NAME declares — against decompressed float64 attention,
   the latent rows exactly at ``slot_mapping`` (:mod:`.mla`); skipped, saying
-  why, for a backend that does not declare it.
+  why, for a backend that does not declare it;
+* for a backend that declares ``cuda_graph``: vLLM's full CUDA graphs as its GPU
+  runner drives them (:mod:`.graphs`): ``UNIFORM_BATCH``, a capture, replays
+  padded vLLM's way on the captured batch re-planned in place, decode and
+  speculative verify, eagerly with device tensors refusing host reads and
+  through ``torch.compile(fullgraph=True)`` with every tensor at its capture
+  address; skipped, saying why, for a backend that does not declare it.
 
 A name attnhost does not know, or a backend attnhost did not register with
 vLLM, fails the registration test once with the reason; the rest skip,
@@ -307,6 +313,31 @@ class TestVllmEngine:
         _skip_undeclared(backend, fcase.dtype, fcase.block_size)
         failure = _failure(backend.member.get_class(), fcase, f"vLLM forward of {backend.label}, {fcase.describe()}")
         if failure is not None:
+            pytest.fail(str(failure), pytrace=False)
+
+    @pytest.mark.parametrize("compiled", [False, True], ids=["eager-no-host-reads", "compiled"])
+    @pytest.mark.parametrize("query_len", [1, 3], ids=["decode", "verify"])
+    def test_cuda_graph(self, attnhost_backend_name: str, query_len: int, compiled: bool) -> None:
+        import torch
+
+        from attnhost_vllm_cpu.graphs import check_graph
+
+        backend = _backend(attnhost_backend_name)
+        if not _capabilities(backend).cuda_graph:
+            pytest.skip(
+                f"backend {backend.attnhost_name!r} does not declare cuda_graph (capabilities.cuda_graph = False): "
+                "vLLM keeps its attention out of full CUDA graphs"
+            )
+        _skip_undeclared(backend, torch.float32, 16)
+        try:
+            check_graph(
+                backend.member.get_class(),
+                f"vLLM CUDA graph of {backend.label}",
+                block_size=16,
+                query_len=query_len,
+                compiled=compiled,
+            )
+        except AssertionError as failure:
             pytest.fail(str(failure), pytrace=False)
 
     @pytest.mark.parametrize("fcase", VARIANT_CASES)

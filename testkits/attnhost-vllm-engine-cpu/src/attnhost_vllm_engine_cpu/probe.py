@@ -8,7 +8,8 @@ file. It changes no argument and no result; it wraps:
 
 * the adapter's metadata builder (``AttnhostVLLMMetadataBuilder.build``): a
   ``batch`` record the first time a (backend, target or draft, forward mode,
-  cached prefix, rows without a slot) combination is planned;
+  cached prefix, rows without a slot, persistent uniform batch) combination is
+  planned;
 * the adapter's impl (``AttnhostVLLMImpl.forward``): a ``forward`` record the
   first time a (backend, target or draft, forward mode) runs a layer;
 * vLLM's model runner (``GPUModelRunner.propose_draft_token_ids``, which the CPU
@@ -73,7 +74,8 @@ def _wrap_build(original: Any) -> Any:
             mode = batch.forward_mode.name
             prefix = any(p > 0 and e > 1 for p, e in zip(batch.prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True))
             rejected = metadata.written is not None
-            if _once(("batch", name, draft, mode, prefix, rejected)):
+            uniform = self.graphs is not None and self.graphs.holds(batch)  # a batch vLLM's graphs could replay
+            if _once(("batch", name, draft, mode, prefix, rejected, uniform)):
                 write(
                     {
                         "event": "batch",
@@ -83,6 +85,7 @@ def _wrap_build(original: Any) -> Any:
                         "mode": mode,
                         "extend_with_prefix": prefix,
                         "rows_without_slot": rejected,
+                        "uniform": uniform,
                     }
                 )
         return metadata
