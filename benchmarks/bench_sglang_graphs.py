@@ -5,13 +5,13 @@ per-batch host time.
 
 1. **Decode tokens/s**, one real ``sglang.Engine`` per subject on the test platform (its graph variant, which
    returns SGLang's ``CPUGraphRunner``), a seeded Llama of width 512, 4 layers, 8 heads / 2 KV heads, float32:
-   ``batched_matmul`` (attnhost's graph-capable example) eagerly (``--disable-cuda-graph``) and inside the CPU
-   graph runner with ``--enable-torch-compile`` (captured sizes 1, 2, 4), at batch 1 and 4. Each engine first
-   generates once (warm-up, and the graphs' compilation), then the timed generations: decode tokens per second
-   over ``NEW_TOKENS`` new tokens a request, the prefill of a few tokens included, ``--context-length``
-   :data:`CONTEXT`. The ratio is graph / eager.
-   ``attnhost_torch_native`` and ``cpu_paged`` declare no graph support, so SGLang runs them eagerly whatever it
-   is asked; their eager figure is printed beside for scale.
+   each graph-capable backend (``batched_matmul``, Python; ``cpu_paged``, the compiled example) eagerly
+   (``--disable-cuda-graph``) and inside the CPU graph runner with ``--enable-torch-compile`` (captured sizes 1, 2,
+   4), at batch 1 and 4. Each engine first generates once (warm-up, and the graphs' compilation), then the timed
+   generations: decode tokens per second over ``NEW_TOKENS`` new tokens a request, the prefill of a few tokens
+   included, ``--context-length`` :data:`CONTEXT`. The ratio is graph / eager.
+   ``attnhost_torch_native`` declares no graph support (SGLang switches graphs off for its own ``torch_native``
+   too), so SGLang runs it eagerly whatever it is asked; its eager figure is printed beside for scale.
 2. **The adapter's per-batch host time** (``init_forward_metadata`` of SGLang's adapter on the kit's dense decode
    batch of 4 requests, ``batched_matmul`` inside, median of interleaved calls): run this script at two commits
    back to back to compare (the figure before and after the sync-free checks is in the closing note of that change).
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, Stats, interleaved, machine, per_call
 
 NEW_TOKENS = 32
+GRAPH_CAPABLE = ("batched_matmul", "cpu_paged")
 CONTEXT = 128
 """The engines' ``--context-length``: a captured graph plans every request to it (the host's bound), so a backend
 without a variable-length kernel, as ``batched_matmul``, pays for it in every decode step; this one is a few times
@@ -154,14 +155,14 @@ def main() -> None:
         model = _model(Path(tmp))
         print(f"{'backend':24} {'bs':>3} {'eager tok/s':>12} {'graph tok/s':>12} {'graph / eager':>14}")
         for bs in (1, 4):
-            eager, eager_ids = engine_tokens_per_second(model, "batched_matmul", bs, False, rounds)
-            graph, graph_ids = engine_tokens_per_second(model, "batched_matmul", bs, True, rounds)
-            same = "same ids" if eager_ids == graph_ids else "IDS DIFFER"
-            ratio = graph.median / eager.median
-            print(f"{'batched_matmul':24} {bs:>3} {eager.median:>12.1f} {graph.median:>12.1f} {ratio:>13.2f}x  {same}")
-            for backend in ("attnhost_torch_native", "cpu_paged"):
-                other, _ = engine_tokens_per_second(model, backend, bs, False, rounds)
-                print(f"{backend:24} {bs:>3} {other.median:>12.1f} {'(no graphs)':>12}")
+            for backend in GRAPH_CAPABLE:
+                eager, eager_ids = engine_tokens_per_second(model, backend, bs, False, rounds)
+                graph, graph_ids = engine_tokens_per_second(model, backend, bs, True, rounds)
+                same = "same ids" if eager_ids == graph_ids else "IDS DIFFER"
+                ratio = graph.median / eager.median
+                print(f"{backend:24} {bs:>3} {eager.median:>12.1f} {graph.median:>12.1f} {ratio:>13.2f}x  {same}")
+            other, _ = engine_tokens_per_second(model, "attnhost_torch_native", bs, False, rounds)
+            print(f"{'attnhost_torch_native':24} {bs:>3} {other.median:>12.1f} {'(no graphs)':>12}")
 
 
 if __name__ == "__main__":

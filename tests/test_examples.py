@@ -28,12 +28,11 @@ BACKENDS = {
     "cpu_paged": ("attnhost-cpukernels", "attnhost-cpukernels", "0.1.0", "cpukernels"),  # a C++ extension
 }
 #: Why a kit test of an example may skip: a capability it does not declare (tiny and batched_matmul: flat_heads;
-#: tiny and cpu_paged: mla, the attention variants and graph support; all three: FP8 caches), or the refusal check
+#: tiny and cpu_paged: mla and the attention variants; all three: FP8 caches), or the refusal check
 #: of one it does (batched_matmul declares mla).
 NOT_DECLARED = (
     "does not declare the FP8 cache",
     "does not declare flat_heads",
-    "does not declare cuda_graph",
     "does not declare mla",
     "declares mla",
     *(f"does not declare {flag}" for flag in ("sliding_window", "logit_cap", "sinks", "non_causal")),
@@ -99,7 +98,7 @@ def test_list_shows_them_with_distribution_and_version(site: Path) -> None:
         assert row["description"]
     assert (
         backends["tiny"]["description"]
-        == "Per-request einsum attention in float32, in about forty lines (example plugin)."
+        == "Per-request einsum attention in float32, in about fifty lines (example plugin)."
     )
     plugins = {p["name"]: p["status"] for p in data["plugins"]}
     assert plugins["batched"] == plugins["tiny"] == "loaded"

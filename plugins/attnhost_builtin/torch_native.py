@@ -38,6 +38,13 @@ Layers with an attention variant (docs/variants.md: a sliding window, a
 soft-cap, sinks, non-causal) are planned the same way, once per batch, in
 ``torch_native_variants.py``; decode keeps its chunks, each request's row
 cut to the window. Plain layers take exactly the path above.
+
+It declares no graph support (``BackendCapabilities.cuda_graph``), as SGLang
+switches graphs off for its own ``torch_native``: every choice above (a view
+or a gather, which requests share a decode chunk, the masks' sizes) is made
+from the requests' slots and exact lengths read on the host, once per batch.
+That is what makes it fast eagerly, and what a captured step cannot do
+(docs/graphs.md); the engines run it without graphs.
 """
 
 from __future__ import annotations

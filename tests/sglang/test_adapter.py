@@ -101,7 +101,7 @@ def test_a_custom_mask_outside_target_verify_is_refused_not_ignored() -> None:
 
 
 def test_cuda_graph_capture_is_refused_with_the_way_out() -> None:
-    backend = _fixture().backend
+    backend = _fixture("attnhost_torch_native").backend
     with pytest.raises(
         UnsupportedFeatureError, match=r"graph capture \(it declares no cuda_graph.*--disable-cuda-graph"
     ):

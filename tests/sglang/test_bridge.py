@@ -78,6 +78,7 @@ def plain(model_dir: Path) -> dict[str, Any]:
                     "--speculative-draft-attention-backend",
                     "tiny",
                 ),
+                _args(model_dir, "--attention-backend", "attnhost_torch_native"),
             ],
             "late": True,
             "spawn": True,
@@ -118,17 +119,28 @@ def test_prepare_server_args_and_resolve_once_with_a_plugin_backend(plain: dict[
 
 
 def test_cuda_graphs_are_switched_off_for_an_adapter_without_graph_support(plain: dict[str, Any]) -> None:
-    tiny, _, _, triton, _ = plain["resolved"]
-    assert (tiny["cuda_graph_decode"], tiny["cuda_graph_prefill"]) == ("disabled", "disabled")
+    tiny, batched, _, triton, _, torch_native = plain["resolved"]
+    assert (torch_native["cuda_graph_decode"], torch_native["cuda_graph_prefill"]) == ("disabled", "disabled")
     assert triton["cuda_graph_decode"] != "disabled"  # SGLang's own backend keeps its graphs: the hook did it
-    # SGLang reconfigures logging while it resolves arguments, so this line is read from the process's stderr
-    assert "CUDA graph is disabled because attnhost backend(s) tiny declare no CUDA-graph support" in plain["stderr"]
+    # SGLang reconfigures logging while it resolves arguments, so these lines are read from the process's stderr
+    assert (
+        "CUDA graph is disabled because attnhost backend(s) attnhost_torch_native declare no CUDA-graph support"
+        in plain["stderr"]
+    )
+    # a graph-capable one keeps SGLang's decode graphs, never its prefill graphs
+    for graphs in (batched, tiny):
+        assert (graphs["cuda_graph_decode"], graphs["cuda_graph_prefill"]) == ("full", "disabled"), graphs
+    assert "Prefill CUDA graphs are disabled for attnhost backend(s) batched_matmul" in plain["stderr"]
 
 
-def test_a_draft_only_attnhost_backend_turns_graphs_off_too(plain: dict[str, Any]) -> None:
+def test_a_draft_only_attnhost_backend_is_weighed_too(plain: dict[str, Any]) -> None:
+    """SGLang's own target with an attnhost draft: the draft's graph support decides, as the target's would."""
     draft = plain["resolved"][4]
     assert (draft["attention_backend"], draft["draft_worker_backend"]) == ("triton", "tiny")
-    assert draft["cuda_graph_decode"] == "disabled"
+    assert (draft["cuda_graph_decode"], draft["cuda_graph_prefill"]) == ("full", "disabled"), draft
+    # the bridge weighed the draft: tiny is named by two resolutions, the tiny target's and this one's
+    lines = [line for line in plain["stderr"].splitlines() if "Prefill CUDA graphs are disabled" in line]
+    assert sum(line.endswith("attnhost backend(s) tiny (decode graphs only)") for line in lines) == 2, lines
 
 
 def test_sglangs_draft_resolver_inherits_a_draft_capable_plugin_backend(plain: dict[str, Any]) -> None:

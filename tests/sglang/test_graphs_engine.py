@@ -5,8 +5,10 @@ The test platform's graph variant (``ATTNHOST_TEST_CPU_GRAPHS=1``) reports graph
 for); with ``--enable-torch-compile`` SGLang compiles the model's forward for the captured batch sizes 1, 2 and 4
 and runs every decode step of up to four requests through it. Three requests run, so each decode step is padded
 to the captured size 4 (SGLang's padding: request row 0, length 1, slot 0), and a second pass finds the prompts in
-the radix cache. ``batched_matmul`` declares graph support; the adapter plans every step into the buffers it
-allocated when the runner started. The probe shows the captures and the padded replays.
+the radix cache. Two engines, one after the other in one driver: ``batched_matmul`` (Python), and the compiled
+example ``cpu_paged`` (a torch custom operator over a plan in tensors) on a paged cache of 16-token pages; both
+declare graph support, and the adapter plans every step into the buffers it allocated when the runner started.
+The probe shows the captures and the padded replays of each.
 
 SGLang 0.5.23's ``CPUGraphRunner`` refuses speculative decoding outright ("CPUGraphRunner does not support
 speculative inference yet"), so a speculative chain cannot run inside it here; the bridge turns SGLang's decode
@@ -25,6 +27,9 @@ from attnhost_sglang_cpu.e2e import run_engines as kit_run_engines
 from conftest import NEW_TOKENS
 
 CAPTURED = [1, 2, 4]
+GRAPH_ENGINE_ARGS = {"cuda_graph_bs_decode": CAPTURED, "enable_torch_compile": True, "torch_compile_max_bs": 4}
+RUNS = {"batched_matmul": {}, "cpu_paged": {"page_size": 16}}
+"""Each graph-capable example's engine, and what its configuration adds."""
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +46,8 @@ def graph_run(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -
         prompts,
         NEW_TOKENS,
         [
-            {
-                "name": "graphs",
-                "backend": "batched_matmul",
-                "passes": 2,
-                "engine_args": {
-                    "cuda_graph_bs_decode": CAPTURED,
-                    "enable_torch_compile": True,
-                    "torch_compile_max_bs": 4,
-                },
-            }
+            {"name": backend, "backend": backend, "passes": 2, "engine_args": {**GRAPH_ENGINE_ARGS, **extra}}
+            for backend, extra in RUNS.items()
         ],
         tmp_path_factory.mktemp("graph-probes"),
         env={"ATTNHOST_TEST_CPU_GRAPHS": "1"},
@@ -59,24 +56,28 @@ def graph_run(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -
     return runs, hf_ids
 
 
-def _result(graph_run: tuple[EngineRuns, list[list[int]]]) -> dict[str, Any]:
-    result = graph_run[0].results["graphs"]
-    assert "error" not in result, f"sglang.Engine with CPU graphs failed:\n{result['error'][-4000:]}"
+def _result(graph_run: tuple[EngineRuns, list[list[int]]], backend: str) -> dict[str, Any]:
+    result = graph_run[0].results[backend]
+    assert "error" not in result, f"sglang.Engine with CPU graphs and {backend} failed:\n{result['error'][-4000:]}"
     return result
 
 
-def test_greedy_ids_equal_hf_first_and_prefix_cached_pass(graph_run: tuple[EngineRuns, list[list[int]]]) -> None:
-    result, hf_ids = _result(graph_run), graph_run[1]
+@pytest.mark.parametrize("backend", RUNS)
+def test_greedy_ids_equal_hf_first_and_prefix_cached_pass(
+    graph_run: tuple[EngineRuns, list[list[int]]], backend: str
+) -> None:
+    result, hf_ids = _result(graph_run, backend), graph_run[1]
     assert result["output_ids"] == hf_ids
     assert [p["output_ids"] for p in result["later_passes"]] == [hf_ids]
     assert result["children_left"] == [], f"Engine.shutdown() left processes behind: {result['children_left']}"
 
 
+@pytest.mark.parametrize("backend", RUNS)
 def test_the_probe_saw_captures_and_padded_replays_through_the_adapter(
-    graph_run: tuple[EngineRuns, list[list[int]]],
+    graph_run: tuple[EngineRuns, list[list[int]]], backend: str
 ) -> None:
-    _result(graph_run)
-    records = read_probe(Path(graph_run[0].probes["graphs"]))
+    _result(graph_run, backend)
+    records = read_probe(Path(graph_run[0].probes[backend]))
     captures = [r for r in records if r["event"] == "graph_capture"]
     assert sorted(r["bs"] for r in captures) == CAPTURED
     assert {r["backend_class"] for r in captures} == {ADAPTER}

@@ -47,38 +47,69 @@ def kernel_info() -> dict[str, str]:
     return {"isa": str(_kernel.isa), "built_with_torch": str(_kernel.torch_version)}
 
 
+class _Plan:
+    """One batch's plan, in tensors the kernel fills (``plan_into``) and reads (``attend``): allocated for the batch
+    object's first plan, refilled in place when the same object is planned again (a graph step), so a captured
+    step reads the same storage at every replay."""
+
+    __slots__ = ("batch", "header", "mask", "meta", "slots")
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        page_size = batch.kv_pool.page_size
+        # the host lengths size the plan (bounds will do: a graph step's exact ones are on the device)
+        longest = max(batch.seq_lens_cpu, default=0)
+        width = max(1, -(-longest // page_size))
+        cells = sum(n * n for n in batch.extend_seq_lens_cpu) if batch.tree_mask is not None else 0
+        device = batch.kv_pool.device
+        self.batch = batch
+        self.slots = torch.empty((batch.batch_size, width), dtype=torch.int64, device=device)
+        self.meta = torch.empty((batch.batch_size, _kernel.meta_fields), dtype=torch.int64, device=device)
+        self.mask = torch.empty((max(cells, 1),), dtype=torch.uint8, device=device)
+        self.header = torch.zeros((_kernel.header_fields,), dtype=torch.int64, device=device)
+
+    def fill(self) -> None:
+        """Check the batch and copy what it reads into the plan, in place (the kernel reads the rows and lengths
+        from their tensors)."""
+        batch = self.batch
+        _ops.plan_into(
+            batch.kv_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            list(batch.extend_seq_lens_cpu),
+            batch.tree_mask,
+            batch.kv_pool.page_size,
+            self.slots,
+            self.meta,
+            self.mask,
+            self.header,
+        )
+
+
 class CpuPagedAttnBackend(AttentionBackend):
     """Paged attention over a token-slot KV cache in one compiled call per layer (example plugin)."""
 
+    # cuda_graph: the kernel is a torch custom operator (traced as one call by torch.compile) over a plan in tensors
+    # refilled in place per batch, and nothing in init_forward_metadata or a forward reads a length on the host
     capabilities = BackendCapabilities(
+        cuda_graph=True,
         flat_heads=True,
         tree_mask=True,
         kv_cache_dtypes=("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"),
-        page_sizes=None,  # any: with pages it reads page_table, with token slots req_to_token
+        page_sizes=None,  # any: with pages it reads every page_size-th entry of req_to_token, a page's first slot
     )
 
     def __init__(self, runner: AttentionRunner | None = None) -> None:
         super().__init__(runner)
-        self._batch: ForwardBatch | None = None
-        self._plan: _kernel.Plan | None = None
+        self._plan: _Plan | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """The kernel's plan of the batch: its metadata checked, and the slots it reads copied, once."""
-        self._batch = None  # a refused batch leaves no plan behind
-        page_size = forward_batch.kv_pool.page_size
-        if page_size > 1:  # the pages, walked in runs of page_size slots
-            table, rows = forward_batch.page_table, list(range(forward_batch.batch_size))
-        else:
-            table, rows = forward_batch.kv_pool.req_to_token, forward_batch.req_pool_indices.tolist()
-        self._plan = _kernel.plan(
-            table,
-            rows,
-            forward_batch.prefix_lens_cpu,
-            forward_batch.extend_seq_lens_cpu,
-            forward_batch.tree_mask,
-            page_size,
-        )
-        self._batch = forward_batch
+        plan = self._plan
+        self._plan = None  # a refused batch leaves no plan behind
+        if plan is None or plan.batch is not forward_batch:
+            plan = _Plan(forward_batch)
+        plan.fill()
+        self._plan = plan
 
     def forward_extend(
         self,
@@ -90,7 +121,7 @@ class CpuPagedAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
     ) -> Tensor:
         plan = self._plan
-        if forward_batch is not self._batch or plan is None:
+        if plan is None or forward_batch is not plan.batch:
             raise RuntimeError(
                 "cpu_paged: init_forward_metadata() was not called for this ForwardBatch; "
                 "call it once per batch before the layers run"
@@ -107,11 +138,14 @@ class CpuPagedAttnBackend(AttentionBackend):
                 new_k, new_v, loc = k, v, forward_batch.out_cache_loc
             else:  # a conversion (an FP8 cache quantises with the layer's scales): the cache's own write
                 pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
-        out: Tensor = _kernel.attend(
+        out: Tensor = _ops.attend(
             q,
             keys,
             values,
-            plan,
+            plan.slots,
+            plan.meta,
+            plan.mask,
+            plan.header,
             layer.num_heads,
             layer.num_kv_heads,
             layer.head_dim,
@@ -125,3 +159,17 @@ class CpuPagedAttnBackend(AttentionBackend):
         return out
 
     forward_decode = forward_extend
+
+
+_ops = torch.ops.attnhost_cpukernels
+
+
+@torch.library.register_fake("attnhost_cpukernels::attend")
+def _attend_shape(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, *args: object) -> Tensor:
+    """What the kernel returns, for tracing: a fresh output in q's shape and dtype, contiguous."""
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.register_fake("attnhost_cpukernels::plan_into")
+def _plan_into_shape(*args: object) -> None:
+    """The plan is filled in place: nothing returned."""

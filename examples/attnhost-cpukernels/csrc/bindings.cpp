@@ -1,9 +1,16 @@
-// The Python face of the kernel. Once per batch, plan() checks the batch's metadata and copies out every
+// The Python face of the kernel. Once per batch, a plan checks the batch's metadata and copies out every
 // req_to_token entry the batch will read; per layer, attend() checks the layer's tensors against that plan in a
 // few comparisons, splits the batch into units of work, runs them on torch's intra-op threads (at::parallel_for,
 // so torch.set_num_threads governs it) and merges split contexts. Whatever the arguments, the kernel reads and
 // writes only inside the tensors it was given: a mismatch is refused with one sentence, never read past.
+//
+// Two faces of the same code: pybind functions (plan() returns an opaque Plan, attend() takes it), and torch
+// custom operators (attnhost_cpukernels::plan_into / attend, registered below) whose plan lives in tensors the
+// caller allocates once, so torch.compile traces a layer's call as one operator and a captured step reads the
+// same plan storage at every replay. plan_into reads the batch's lengths and request rows from their tensors, not
+// from host lists: the lengths a graph step has on the host are only bounds.
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
 
@@ -13,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kernel.h"
@@ -64,20 +72,6 @@ DType cache_dtype_of(const torch::Tensor& t) {
 
 constexpr int64_t kMinChunk = 256;  // the fewest keys worth a split of one request's context
 
-// One batch's metadata, checked: the kernel's only source of slots and mask. It owns copies, not views, so
-// nothing written into req_to_token or the mask after planning (a stale table, a resized tensor) can steer a
-// read; Python can obtain one only from plan(), never build or change one.
-struct Plan {
-  std::vector<int64_t> meta;  // kMetaFields per request (kernel.h); field 0 indexes slots
-  std::vector<int64_t> slots;  // each request's req_to_token entries [0, prefix + extend), in batch order
-  std::vector<uint8_t> mask;  // the tree mask's blocks, 0 or 1
-  bool has_mask = false;
-  int64_t page_size = 1;  // > 1: slots holds each request's pages (from page_table), not its token slots
-  int64_t batch = 0, tokens = 0;
-  int64_t max_slot = -1;  // the largest slot the batch reads: every K/V buffer must hold more slots than this
-  int64_t max_request = -1, max_row = -1, max_pos = -1;  // where it is named, for the refusal
-};
-
 // One request's entries copied in one pass that also finds the smallest and the largest (and where that is).
 template <typename T>
 void copy_entries(const T* from, int64_t stride, int64_t count, int64_t* to, int64_t* lo, int64_t* hi,
@@ -92,88 +86,206 @@ void copy_entries(const T* from, int64_t stride, int64_t count, int64_t* to, int
   *lo = low, *hi = high, *hi_pos = where;
 }
 
+// The facts about a planned batch that attend() checks a layer against, kept beside its slots and mask.
+struct PlanHeader {
+  int64_t batch = 0, tokens = 0;
+  int64_t page_size = 1;  // > 1: the slots are each request's pages, not its token slots
+  int64_t max_slot = -1;  // the largest slot the batch reads: every K/V buffer must hold more slots than this
+  int64_t max_request = -1, max_row = -1, max_pos = -1;  // where it is named, for the refusal
+  int64_t has_mask = 0;
+};
+constexpr int64_t kHeaderFields = 8;  // a plan tensor's header: the fields above, in that order
+
+// One batch's metadata, checked: the kernel's only source of slots and mask. It owns copies, not views, so
+// nothing written into req_to_token or the mask after planning (a stale table, a resized tensor) can steer a
+// read; Python can obtain one only from plan(), never build or change one.
+struct Plan {
+  std::vector<int64_t> meta;  // kMetaFields per request (kernel.h); field 0 indexes slots
+  std::vector<int64_t> slots;  // request r's entries at [r * width, r * width + its count)
+  std::vector<uint8_t> mask;  // the tree mask's blocks, 0 or 1
+  PlanHeader h;
+};
+
+// What attend() reads of a plan, wherever it is stored (a Plan's vectors, or a plan's tensors).
+struct PlanView {
+  const int64_t* slots;
+  const int64_t* meta;
+  const uint8_t* mask;  // nullptr: no tree mask
+  PlanHeader h;
+};
+
+// Where a plan is written: capacities checked before anything is copied. With `packed` (a Plan's vectors), the
+// requests' entries follow each other and the vectors are sized once the batch is checked; else request r's
+// entries start at r * width of a buffer of fixed size (a plan's tensors).
+struct PlanOut {
+  int64_t* slots;
+  int64_t width;  // entries per request the slots hold (fixed layout)
+  int64_t* meta;
+  uint8_t* mask;
+  int64_t mask_cells;
+  PlanHeader* h;
+  Plan* packed = nullptr;
+};
+
+int64_t read_index(const torch::Tensor& t, int64_t i) {
+  const int64_t at = i * t.stride(0);
+  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[at] : static_cast<int64_t>(t.data_ptr<int32_t>()[at]);
+}
+
+void check_index_tensor(const torch::Tensor& t, int64_t size, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) >= size && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+              "attnhost-cpukernels: ", what, " must be a 1-D int32 or int64 tensor of at least ", size,
+              " entries, got ", t.scalar_type(), " ", t.sizes());
+}
+
 // The batch as the kernel will run it: table rows, lengths and tree mask checked against each other and the
 // table; every entry it reads copied and checked to be a slot (>= 0), the largest recorded for attend().
-// With page_size > 1, table is the batch's page_table and each request's entries are its pages: one per
-// page_size tokens, each checked to be a page (>= 0), the largest page's last slot recorded.
-std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t>& rows,
-                           const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
-                           const c10::optional<torch::Tensor>& tree_mask, int64_t page_size) {
+// With page_size > 1 each request's entries are its pages: one per page_size tokens, each checked to be a page
+// (>= 0), the largest page's last slot recorded. `column_step` is how far apart a request's entries lie in its
+// table row (1 in a page_table; page_size in a token-level req_to_token, whose every page_size-th entry is a page's
+// first slot, which must then be page-aligned). row_at(r) and prefix_at(r) give request r's table row and prefix.
+template <typename RowAt, typename PrefixAt>
+void plan_batch(const torch::Tensor& table, int64_t batch, RowAt row_at, PrefixAt prefix_at,
+                const std::vector<int64_t>& extend, const c10::optional<torch::Tensor>& tree_mask, int64_t page_size,
+                int64_t column_step, const char* table_name, PlanOut out) {
   TORCH_CHECK(page_size >= 1, "attnhost-cpukernels: page_size must be >= 1, got ", page_size);
   const bool paged = page_size > 1;
-  const char* table_name = paged ? "page_table" : "req_to_token";
   TORCH_CHECK(table.device().is_cpu() && (!tree_mask.has_value() || tree_mask->device().is_cpu()),
               "attnhost-cpukernels runs on the CPU only; pick another backend for other devices");
   TORCH_CHECK(table.dim() == 2 && (table.scalar_type() == at::kInt || table.scalar_type() == at::kLong),
               "attnhost-cpukernels: ", table_name, " must be a 2-D int32 or int64 tensor, got ", table.scalar_type(),
               " ", table.sizes());
-  const int64_t batch = static_cast<int64_t>(rows.size());
-  TORCH_CHECK(static_cast<int64_t>(prefix.size()) == batch && static_cast<int64_t>(extend.size()) == batch,
-              "attnhost-cpukernels: the batch has ", batch, " table rows but ", prefix.size(), " prefix lengths and ",
-              extend.size(), " extend lengths; pass one of each per request");
-  auto p = std::make_shared<Plan>();
-  p->batch = batch;
-  p->meta.resize(static_cast<size_t>(batch) * kMetaFields);
-  const int64_t table_rows = table.size(0), width = table.size(1);
-  int64_t entries = 0, cells = 0, tokens = 0;
+  TORCH_CHECK(static_cast<int64_t>(extend.size()) == batch, "attnhost-cpukernels: the batch has ", batch,
+              " requests but ", extend.size(), " extend lengths; pass one per request");
+  PlanHeader& h = *out.h;
+  h = PlanHeader{};
+  h.batch = batch;
+  h.page_size = page_size;
+  const int64_t table_rows = table.size(0), columns = table.size(1);
+  int64_t cells = 0, tokens = 0, entries = 0;
   auto entries_of = [&](int64_t seq) { return paged ? seq / page_size + (seq % page_size != 0) : seq; };
   for (int64_t r = 0; r < batch; ++r) {
-    const int64_t row = rows[r], pre = prefix[r], ext = extend[r];
-    TORCH_CHECK(row >= 0 && row < table_rows, "attnhost-cpukernels: request ", r, " of the batch names ", table_name, " row ",
-                row, ", outside the table's ", table_rows, " rows");
+    const int64_t row = row_at(r), pre = prefix_at(r), ext = extend[r];
+    TORCH_CHECK(row >= 0 && row < table_rows, "attnhost-cpukernels: request ", r, " of the batch names ", table_name,
+                " row ", row, ", outside the table's ", table_rows, " rows");
     TORCH_CHECK(pre >= 0 && ext >= 1, "attnhost-cpukernels: request ", r, " of the batch has prefix_len ", pre,
                 " and extend_len ", ext, "; they must be >= 0 and >= 1");
-    TORCH_CHECK(pre <= INT64_MAX - ext && entries_of(pre + ext) <= width, "attnhost-cpukernels: request ", r,
-                " of the batch reads ", pre, " + ", ext, " positions ",
+    TORCH_CHECK(pre <= INT64_MAX - ext && (out.packed || entries_of(pre + ext) <= out.width) &&
+                    (entries_of(pre + ext) - 1) * column_step < columns,
+                "attnhost-cpukernels: request ", r, " of the batch reads ", pre, " + ", ext, " positions ",
                 paged ? "(in pages of " + std::to_string(page_size) + " tokens) " : std::string(), "of ", table_name,
-                " row ", row, ", which has ", width, " columns");
-    int64_t* m = p->meta.data() + r * kMetaFields;
-    m[0] = entries, m[1] = pre, m[2] = ext, m[3] = tokens, m[4] = cells;
+                " row ", row, ", which has ", columns, " columns",
+                !out.packed && out.width * column_step < columns
+                    ? " (the plan holds " + std::to_string(out.width) + (paged ? " pages" : " entries") + " a request)"
+                    : std::string());
+    if (out.packed) out.packed->meta.resize(static_cast<size_t>(r + 1) * kMetaFields), out.meta = out.packed->meta.data();
+    int64_t* m = out.meta + r * kMetaFields;
+    m[0] = out.packed ? entries : r * out.width, m[1] = pre, m[2] = ext, m[3] = tokens, m[4] = cells;
     int64_t square = 0;  // a table may be a view as wide as int64 allows (an expanded one owns no memory)
-    TORCH_CHECK(!__builtin_add_overflow(entries, entries_of(pre + ext), &entries) && !__builtin_add_overflow(tokens, ext, &tokens) &&
-                    !__builtin_mul_overflow(ext, ext, &square) && !__builtin_add_overflow(cells, square, &cells),
+    TORCH_CHECK(!__builtin_add_overflow(entries, entries_of(pre + ext), &entries) &&
+                    !__builtin_add_overflow(tokens, ext, &tokens) && !__builtin_mul_overflow(ext, ext, &square) &&
+                    !__builtin_add_overflow(cells, square, &cells),
                 "attnhost-cpukernels: the batch's lengths overflow int64 at request ", r);
   }
-  p->tokens = tokens;
-  p->slots.resize(static_cast<size_t>(entries));
+  h.tokens = tokens;
+  if (out.packed) {  // checked: now the copies' room
+    out.packed->slots.resize(static_cast<size_t>(entries));
+    out.slots = out.packed->slots.data();
+  }
   const bool int32 = table.scalar_type() == at::kInt;
+  const int64_t step = table.stride(1) * column_step;
   for (int64_t r = 0; r < batch; ++r) {
-    const int64_t* m = p->meta.data() + r * kMetaFields;
-    const int64_t row = rows[r], count = entries_of(m[1] + m[2]);
-    int64_t lo = 0, hi = p->max_slot, hi_pos = -1;
-    int64_t* to = p->slots.data() + m[0];
+    const int64_t* m = out.meta + r * kMetaFields;
+    const int64_t row = row_at(r), count = entries_of(m[1] + m[2]);
+    int64_t lo = 0, hi = -1, hi_pos = -1;
+    int64_t* to = out.slots + m[0];
     if (int32)
-      copy_entries(table.data_ptr<int32_t>() + row * table.stride(0), table.stride(1), count, to, &lo, &hi, &hi_pos);
+      copy_entries(table.data_ptr<int32_t>() + row * table.stride(0), step, count, to, &lo, &hi, &hi_pos);
     else
-      copy_entries(table.data_ptr<int64_t>() + row * table.stride(0), table.stride(1), count, to, &lo, &hi, &hi_pos);
+      copy_entries(table.data_ptr<int64_t>() + row * table.stride(0), step, count, to, &lo, &hi, &hi_pos);
     if (lo < 0) {
       const int64_t j = std::find_if(to, to + count, [](int64_t s) { return s < 0; }) - to;
-      TORCH_CHECK(false, "attnhost-cpukernels: ", table_name, "[", row, ", ", j, "] = ", to[j], " (request ", r,
-                  " of the batch, which reads its first ", count, " entries) is not a ", paged ? "page" : "slot",
-                  "; the table must name a ", paged ? "page" : "slot", " of the KV cache for every token the batch "
-                  "reads");
+      TORCH_CHECK(false, "attnhost-cpukernels: ", table_name, "[", row, ", ", j * column_step, "] = ", to[j],
+                  " (request ", r, " of the batch, which reads its first ", count, " entries) is not a ",
+                  column_step > 1 ? "slot" : paged ? "page" : "slot", "; the table must name a ",
+                  paged ? "page" : "slot", " of the KV cache for every token the batch reads");
     }
-    if (hi_pos >= 0) p->max_slot = hi, p->max_request = r, p->max_row = row, p->max_pos = hi_pos;
+    if (column_step > 1) {  // a token-level table read by pages: each page's first slot, page-aligned, as a page
+      for (int64_t j = 0; j < count; ++j) {
+        TORCH_CHECK(to[j] % page_size == 0, "attnhost-cpukernels: ", table_name, "[", row, ", ", j * column_step,
+                    "] = ", to[j], " (request ", r, " of the batch) is not the first slot of a page of ", page_size,
+                    " tokens; a paged cache's table must hold whole pages, page-aligned");
+        to[j] /= page_size;
+      }
+      hi /= page_size;
+    }
+    if (hi > h.max_slot) h.max_slot = hi, h.max_request = r, h.max_row = row, h.max_pos = hi_pos;
   }
-  if (paged && p->max_slot >= 0) {  // a page's slots all: the buffers must hold the largest page whole
-    TORCH_CHECK(p->max_slot <= (INT64_MAX - page_size + 1) / page_size, "attnhost-cpukernels: ", table_name, "[",
-                p->max_row, ", ", p->max_pos, "] = ", p->max_slot, " is not a page of any KV cache");
-    p->max_slot = p->max_slot * page_size + page_size - 1;
+  if (paged && h.max_slot >= 0) {  // a page's slots all: the buffers must hold the largest page whole
+    TORCH_CHECK(h.max_slot <= (INT64_MAX - page_size + 1) / page_size, "attnhost-cpukernels: ", table_name, "[",
+                h.max_row, ", ", h.max_pos, "] = ", h.max_slot, " is not a page of any KV cache");
+    h.max_slot = h.max_slot * page_size + page_size - 1;
   }
-  p->page_size = page_size;
   if (tree_mask.has_value()) {
     const torch::Tensor& mask = *tree_mask;
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 1 && mask.size(0) == cells,
                 "attnhost-cpukernels: the tree mask must be a 1-D bool tensor of ", cells,
                 " entries (one extend_len x extend_len block per request), got ", mask.scalar_type(), " ",
                 mask.sizes());
+    if (out.packed) out.packed->mask.resize(static_cast<size_t>(cells)), out.mask = out.packed->mask.data();
+    TORCH_CHECK(out.packed || cells <= out.mask_cells, "attnhost-cpukernels: the plan holds ", out.mask_cells,
+                " tree-mask entries, the batch has ", cells);
     const torch::Tensor dense = mask.contiguous();
     const uint8_t* bytes = static_cast<const uint8_t*>(dense.data_ptr());
-    p->mask.resize(static_cast<size_t>(cells));
-    for (int64_t i = 0; i < cells; ++i) p->mask[i] = bytes[i] != 0;
-    p->has_mask = true;
+    for (int64_t i = 0; i < cells; ++i) out.mask[i] = bytes[i] != 0;
+    h.has_mask = 1;
   }
+}
+
+// plan(): the pybind face, for host lists of rows and prefix lengths; the Plan owns its copies.
+std::shared_ptr<Plan> plan(const torch::Tensor& table, const std::vector<int64_t>& rows,
+                           const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
+                           const c10::optional<torch::Tensor>& tree_mask, int64_t page_size) {
+  const int64_t batch = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(static_cast<int64_t>(prefix.size()) == batch && static_cast<int64_t>(extend.size()) == batch,
+              "attnhost-cpukernels: the batch has ", batch, " table rows but ", prefix.size(), " prefix lengths and ",
+              extend.size(), " extend lengths; pass one of each per request");
+  TORCH_CHECK(page_size >= 1, "attnhost-cpukernels: page_size must be >= 1, got ", page_size);
+  auto p = std::make_shared<Plan>();
+  plan_batch(table, batch, [&](int64_t r) { return rows[r]; }, [&](int64_t r) { return prefix[r]; }, extend,
+             tree_mask, page_size, 1, page_size > 1 ? "page_table" : "req_to_token",
+             PlanOut{nullptr, 0, nullptr, nullptr, 0, &p->h, p.get()});
   return p;
+}
+
+// attnhost_cpukernels::plan_into: the custom operator's plan, into tensors the caller allocated once (their
+// storage kept across batches). Rows and prefixes come from tensors (a graph step's exact lengths are there, its
+// host ones only bounds): prefix = seq_lens[r] - extend[r]. The table is always req_to_token; with pages, every
+// page_size-th entry is read as a page's first slot.
+void plan_into(const torch::Tensor& req_to_token, const torch::Tensor& rows, const torch::Tensor& seq_lens,
+               c10::IntArrayRef extend_lens, const c10::optional<torch::Tensor>& tree_mask, int64_t page_size,
+               torch::Tensor slots, torch::Tensor meta, torch::Tensor mask, torch::Tensor header) {
+  const int64_t batch = static_cast<int64_t>(extend_lens.size());
+  check_index_tensor(rows, batch, "req_pool_indices");
+  check_index_tensor(seq_lens, batch, "seq_lens");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) >= batch && slots.is_contiguous() &&
+                  meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.numel() >= batch * kMetaFields &&
+                  mask.scalar_type() == at::kByte && mask.is_contiguous() && header.scalar_type() == at::kLong &&
+                  header.is_contiguous() && header.numel() == kHeaderFields,
+              "attnhost-cpukernels: plan_into needs contiguous int64 slots [batch, width], meta [batch, ",
+              kMetaFields, "], uint8 mask and int64 header [", kHeaderFields, "] tensors");
+  const std::vector<int64_t> extend(extend_lens.begin(), extend_lens.end());
+  PlanHeader h;
+  plan_batch(req_to_token, batch, [&](int64_t r) { return read_index(rows, r); },
+             [&](int64_t r) { return read_index(seq_lens, r) - extend[r]; }, extend, tree_mask, page_size,
+             page_size, "req_to_token",
+             PlanOut{slots.data_ptr<int64_t>(), slots.size(1), meta.data_ptr<int64_t>(), mask.data_ptr<uint8_t>(),
+                     mask.numel(), &h});
+  int64_t* out = header.data_ptr<int64_t>();
+  const int64_t fields[kHeaderFields] = {h.batch, h.tokens, h.page_size, h.max_slot, h.max_request, h.max_row,
+                                         h.max_pos, h.has_mask};
+  std::copy(fields, fields + kHeaderFields, out);
 }
 
 // The batch's new K/V rows written at their slots, in the cache's own dtype: the cache write fused into the
@@ -219,10 +331,11 @@ void write_new_kv(const torch::Tensor& k, const torch::Tensor& v, const torch::T
 // q: [T, heads, dim] or [T, heads * dim]; k_buffer/v_buffer: [slots, kv_heads, dim] (any strides, the last 1);
 // plan: the batch's, from plan(). With new_k, new_v and loc, the new tokens' K/V are first written at slots loc
 // (see write_new_kv). Every check here is O(1) (no scan of the batch): the plan did those once per batch.
-torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v, const Plan& plan,
-                     int64_t heads, int64_t kv_heads, int64_t dim, double scale,
+torch::Tensor attend_view(const torch::Tensor& q_in, const torch::Tensor& k, const torch::Tensor& v,
+                          const PlanView& view, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
                      const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
                      const c10::optional<torch::Tensor>& loc, double k_scale, double v_scale) {
+  const PlanHeader& plan = view.h;
   TORCH_CHECK(new_k.has_value() == new_v.has_value() && new_k.has_value() == loc.has_value(),
               "attnhost-cpukernels: pass new_k, new_v and loc together, or none of them");
   const bool new_on_cpu = !new_k.has_value() || (new_k->is_cpu() && new_v->is_cpu() && loc->is_cpu());
@@ -277,9 +390,9 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   p.k_head = k.stride(1);
   p.v_slot = v.stride(0);
   p.v_head = v.stride(1);
-  p.slots = plan.slots.data();
-  p.meta = plan.meta.data();
-  p.tree_mask = plan.has_mask ? plan.mask.data() : nullptr;
+  p.slots = view.slots;
+  p.meta = view.meta;
+  p.tree_mask = plan.has_mask ? view.mask : nullptr;
   p.q_dtype = q_dtype;
   p.kv_dtype = kv_dtype;
   p.heads = static_cast<int>(heads);
@@ -349,7 +462,8 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   }
 
   {
-    pybind11::gil_scoped_release no_gil;
+    std::optional<pybind11::gil_scoped_release> no_gil;  // called through pybind (GIL held) or the dispatcher
+    if (PyGILState_Check()) no_gil.emplace();
     const RunUnit run = kIsa.run;
     const int64_t n = static_cast<int64_t>(units.size());
     if (threads == 1 || n == 1) {
@@ -396,18 +510,62 @@ torch::Tensor attend(const torch::Tensor& q_in, const torch::Tensor& k, const to
   return out;
 }
 
+// attend() of a Plan (the pybind face).
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Plan& plan,
+                     int64_t heads, int64_t kv_heads, int64_t dim, double scale,
+                     const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
+                     const c10::optional<torch::Tensor>& loc, double k_scale, double v_scale) {
+  const PlanView view{plan.slots.data(), plan.meta.data(), plan.mask.data(), plan.h};
+  return attend_view(q, k, v, view, heads, kv_heads, dim, scale, new_k, new_v, loc, k_scale, v_scale);
+}
+
+// attnhost_cpukernels::attend: attend() of a plan in tensors (plan_into's), the custom operator torch.compile
+// traces as one call. Its header is read here, in the kernel, never by the caller.
+torch::Tensor attend_op(const torch::Tensor& q, torch::Tensor k_buffer, torch::Tensor v_buffer,
+                        const torch::Tensor& slots, const torch::Tensor& meta, const torch::Tensor& mask,
+                        const torch::Tensor& header, int64_t heads, int64_t kv_heads, int64_t dim, double scale,
+                        const c10::optional<torch::Tensor>& new_k, const c10::optional<torch::Tensor>& new_v,
+                        const c10::optional<torch::Tensor>& loc, double k_scale, double v_scale) {
+  TORCH_CHECK(header.device().is_cpu() && header.scalar_type() == at::kLong && header.is_contiguous() &&
+                  header.numel() == kHeaderFields && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  meta.scalar_type() == at::kLong && meta.is_contiguous() && mask.scalar_type() == at::kByte &&
+                  mask.is_contiguous(),
+              "attnhost-cpukernels: attend takes a plan from plan_into (int64 slots, meta and header, uint8 mask)");
+  const int64_t* f = header.data_ptr<int64_t>();
+  const PlanHeader h{f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7]};
+  TORCH_CHECK(h.batch >= 0 && meta.numel() >= h.batch * kMetaFields && (!h.has_mask || mask.numel() > 0),
+              "attnhost-cpukernels: the plan's tensors do not hold the batch its header describes; plan the batch "
+              "with plan_into first");
+  const PlanView view{slots.data_ptr<int64_t>(), meta.data_ptr<int64_t>(), mask.data_ptr<uint8_t>(), h};
+  return attend_view(q, k_buffer, v_buffer, view, heads, kv_heads, dim, scale, new_k, new_v, loc, k_scale, v_scale);
+}
+
 }  // namespace cpukernels
+
+TORCH_LIBRARY(attnhost_cpukernels, m) {
+  m.def("plan_into(Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, int[] extend_lens, "
+        "Tensor? tree_mask, int page_size, Tensor(a!) slots, Tensor(b!) meta, Tensor(c!) mask, Tensor(d!) header) -> ()");
+  m.def("attend(Tensor q, Tensor(a!) k_buffer, Tensor(b!) v_buffer, Tensor slots, Tensor meta, Tensor mask, "
+        "Tensor header, int num_heads, int num_kv_heads, int head_dim, float scaling, Tensor? new_k, Tensor? new_v, "
+        "Tensor? loc, float k_scale, float v_scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnhost_cpukernels, CPU, m) {
+  m.impl("plan_into", &cpukernels::plan_into);
+  m.impl("attend", &cpukernels::attend_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "attnhost-cpukernels: paged attention over a token-slot KV cache, read in place";
   pybind11::class_<cpukernels::Plan, std::shared_ptr<cpukernels::Plan>>(
       m, "Plan", "one batch's checked metadata, from plan(); attend() runs a layer of that batch")
-      .def_property_readonly("batch_size", [](const cpukernels::Plan& p) { return p.batch; })
-      .def_property_readonly("num_tokens", [](const cpukernels::Plan& p) { return p.tokens; })
-      .def_property_readonly("max_slot", [](const cpukernels::Plan& p) { return p.max_slot; })
+      .def_property_readonly("batch_size", [](const cpukernels::Plan& p) { return p.h.batch; })
+      .def_property_readonly("num_tokens", [](const cpukernels::Plan& p) { return p.h.tokens; })
+      .def_property_readonly("max_slot", [](const cpukernels::Plan& p) { return p.h.max_slot; })
       .def("__repr__", [](const cpukernels::Plan& p) {
-        return "<_attnhost_cpukernels.Plan: " + std::to_string(p.batch) + " requests, " + std::to_string(p.tokens) +
-               " new tokens, slots up to " + std::to_string(p.max_slot) + (p.has_mask ? ", tree mask>" : ">");
+        return "<_attnhost_cpukernels.Plan: " + std::to_string(p.h.batch) + " requests, " +
+               std::to_string(p.h.tokens) + " new tokens, slots up to " + std::to_string(p.h.max_slot) +
+               (p.h.has_mask ? ", tree mask>" : ">");
       });
   m.def("plan", &cpukernels::plan, "check a batch's metadata once and copy the slots it reads",
         pybind11::arg("req_to_token"), pybind11::arg("req_pool_indices"), pybind11::arg("prefix_lens"),
@@ -418,6 +576,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("head_dim"), pybind11::arg("scaling"), pybind11::arg("new_k") = pybind11::none(),
         pybind11::arg("new_v") = pybind11::none(), pybind11::arg("loc") = pybind11::none(),
         pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
+  m.attr("header_fields") = cpukernels::kHeaderFields;
+  m.attr("meta_fields") = cpukernels::kMetaFields;
   m.attr("isa") = cpukernels::kIsa.name;
   m.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + "." +
                             std::to_string(TORCH_VERSION_PATCH);

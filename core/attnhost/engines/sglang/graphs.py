@@ -77,6 +77,11 @@ class DecodeGraphs:
         batch = self.batches.get(bs)
         if batch is None:
             batch = self.batches[bs] = self._batch(bs)
+        cached = vars(batch).get("page_table")
+        if cached is not None:  # a backend reads the batch's page table (built at its first use): refreshed in place
+            size = self.kv.page_size
+            table = self.kv.req_to_token.index_select(0, self.rows[:bs])
+            cached.copy_(table[:, : cached.shape[1] * size : size]).floor_divide_(size)
         return batch
 
     def _batch(self, bs: int) -> ForwardBatch:
