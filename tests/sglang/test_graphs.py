@@ -9,7 +9,8 @@ holds the live rows' slots only, through ``init_forward_metadata_out_graph``. ``
 captured batch. At every replay, with SGLang's tensors refusing host reads: the live rows equal float64 attention
 over their requests' keys, the padded rows write nowhere but slot 0, and every tensor the captured layers read
 (the adapter's graph batch, the backend's plan) is the one of the capture, in the same storage. A backend without
-graph support is refused by name when the runner starts.
+graph support is refused by name when the runner starts. A page table a backend built from the graph batch is
+refreshed in place with the rest.
 """
 
 from __future__ import annotations
@@ -207,8 +208,14 @@ def test_replays_with_padding_are_right_write_nothing_live_and_keep_their_storag
     runner.capture()
     planned = runner.adapter._batch
     storage = _storage(runner.adapter)
+    page_table = planned.page_table  # what a backend that reads the page table sees, built at capture
+    table = runner.fixture.runner.req_to_token_pool.req_to_token
     for seed, live in enumerate((3, 1, 4, 2), start=1):
         out, _, q = runner.replay(live, seed)
+        assert planned.page_table is page_table, "the graph batch's page table is another tensor than at capture"
+        rows = runner.rows.as_subclass(torch.Tensor)
+        fresh = table.index_select(0, rows)[:, : page_table.shape[1]].to(torch.int64)
+        assert torch.equal(page_table.as_subclass(torch.Tensor), fresh), "the page table is not this step's"
         heads, dim = runner.layer.tp_q_head_num, runner.layer.qk_head_dim
         expected = _reference(runner, q, live, seed)
         torch.testing.assert_close(out.view(CAPTURED, heads, dim)[:live].double(), expected, atol=2e-5, rtol=2e-5)
