@@ -45,6 +45,12 @@ BUILT = {
 }
 
 
+def torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 def _pip(*args: str, cwd: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pip", *args, "--no-deps", "--disable-pip-version-check", "--no-input", "-q"],
@@ -60,7 +66,7 @@ def _pip(*args: str, cwd: Path) -> None:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("example-sources")
-    ignore = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
+    ignore = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.so")
     for directory, *_ in BUILT.values():
         shutil.copytree(EXAMPLES / directory, root / directory, ignore=ignore)
     return root
@@ -164,6 +170,43 @@ def test_pytest_option_runs_the_kit_against_them_without_a_test_file(site: Path,
     proc = _pytest(names, cwd=tmp_path, site=site)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert kit_run_problems(proc.stdout, NOT_DECLARED) == [], proc.stdout[-3000:]
+
+
+@pytest.mark.torch  # the compiled example is built against torch
+def test_a_kernel_that_does_not_compile_ends_the_build_in_one_line(sources: Path, tmp_path: Path) -> None:
+    """A compiler that cannot build the kernel (here, a source that does not compile) ends pip's build output with
+    one line naming the package, the torch it was built against and the way out, below the compiler's error."""
+    broken = tmp_path / "attnhost-cpukernels"
+    shutil.copytree(sources / "attnhost-cpukernels", broken)
+    for source in (broken / "csrc").glob("*.cpp"):  # each fails at once, whichever ninja compiles first
+        source.write_text('#include "a_header_this_compiler_lacks.h"\n' + source.read_text())  # fatal: stops at once
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(tmp_path / "wheels"),
+            str(broken),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=subprocess_env(env={"MAX_JOBS": "1"}),  # one compiler at a time: the first error stops the build
+        timeout=600,
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    output = (proc.stdout + proc.stderr).splitlines()
+    build = [line.strip() for line in output[: next(i for i, line in enumerate(output) if "[end of output]" in line)]]
+    assert build[-1].startswith(
+        f"attnhost-cpukernels: its C++ kernel did not compile against torch {torch_version()} ("
+    ), build[-3:]
+    assert "install a newer g++ or clang, or a torch release this compiler supports" in build[-1], build[-1]
+    assert any("fatal error: a_header_this_compiler_lacks.h" in line for line in build), build[-20:]
 
 
 @pytest.mark.torch  # the compiled example is built against torch
