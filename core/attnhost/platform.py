@@ -2,11 +2,17 @@
 
 Importing torch is slow and can initialise a device, and every CLI call and worker asks this first; torch's
 ``torch/version.py`` records its build flavour (``hip``, ``cuda``, ``xpu``), and ``torch_npu``'s presence suffices.
+A build flavour says what torch *can* drive, not what this machine has: ``pip install torch`` gives a CUDA build on
+a laptop without a GPU. So a CUDA or ROCm build counts only where the machine shows such a device, told as cheaply:
+on Linux, the driver's device nodes (``/dev/nvidia*``, WSL's ``/dev/dxg``; ROCm's ``/dev/kfd``) and the visibility
+variables (``CUDA_VISIBLE_DEVICES``, ``HIP_VISIBLE_DEVICES``, ``ROCR_VISIBLE_DEVICES``) set empty or ``-1``. Where
+that cannot be told (another OS), the build decides. ``ATTNHOST_PLATFORM`` overrides all of it.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.machinery
 import importlib.util
 import os
@@ -17,7 +23,7 @@ from attnhost.errors import PlatformError, bounded
 from attnhost.settings import PLATFORM_ENV, current
 
 __all__ = ["KNOWN_PLATFORMS", "current_platform", "describe_detection", "detect_platform", "module_installed"]
-__all__ += ["normalize_platform", "torch_build_info"]
+__all__ += ["device_visible", "normalize_platform", "torch_build_info"]
 
 KNOWN_PLATFORMS: tuple[str, ...] = ("cuda", "rocm", "xpu", "npu", "mps", "cpu")
 TORCH_HINT = (
@@ -25,6 +31,14 @@ TORCH_HINT = (
     "https://download.pytorch.org/whl/cpu, as a plain install brings a multi-GB CUDA build)"
 )
 _SPELLINGS = {"hip": "rocm", "amd": "rocm", "nvidia": "cuda", "ascend": "npu", "intel_xpu": "xpu"}
+_DEVICE_NODES: dict[str, tuple[str, ...]] = {"cuda": ("dev/nvidia[0-9]*", "dev/dxg"), "rocm": ("dev/kfd",)}
+"""Where each vendor's Linux driver shows a device: NVIDIA's per-GPU nodes (WSL's paravirtual GPU), AMD's compute
+node."""
+_VISIBILITY: dict[str, tuple[str, ...]] = {
+    "cuda": ("CUDA_VISIBLE_DEVICES",),
+    "rocm": ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+}
+_VENDOR = {"cuda": "NVIDIA", "rocm": "AMD"}
 _VERSION_LINE = re.compile(r"^(__version__|hip|cuda|xpu)\s*(?::[^=]*)?=\s*(.+?)\s*$", re.MULTILINE)
 
 
@@ -76,18 +90,51 @@ def module_installed(module: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=1)
+def device_visible(platform: str, root: str = "/") -> tuple[bool | None, str]:
+    """Whether this machine shows a ``platform`` (``cuda`` or ``rocm``) device to this process, and what says so;
+    ``None`` where the driver's device nodes cannot tell (another OS, another platform). ``root``: where ``dev/``
+    is looked up."""
+    nodes = _DEVICE_NODES.get(platform)
+    if nodes is None or not sys.platform.startswith("linux"):
+        return None, ""
+    for variable in _VISIBILITY[platform]:
+        value = os.environ.get(variable)
+        if value is not None and value.strip() in ("", "-1"):
+            return False, f"{variable}={value.strip()!r} hides every device"
+    found = next((hit for pattern in nodes for hit in sorted(glob.glob(os.path.join(root, pattern)))), None)
+    if found is None:
+        return False, f"no {_VENDOR[platform]} device here (no {' or '.join('/' + n for n in nodes)})"
+    return True, ""
+
+
 def detect_platform() -> str:
-    """Detect the platform from installed packages' build metadata; never imports torch."""
-    if module_installed("torch_npu"):
-        return "npu"
+    """Detect the platform from installed packages' build metadata and the machine's devices; never imports
+    torch."""
+    return _detection()[0]
+
+
+@functools.lru_cache(maxsize=1)
+def _detection() -> tuple[str, str]:
+    """(platform, one line saying how it was decided)."""
     info = torch_build_info()
+    source = f"detected from torch {info.get('__version__') or 'unknown version'} build metadata"
+    if module_installed("torch_npu"):
+        return "npu", source if info else "detected: torch_npu is installed"
+    if not info:
+        return "cpu", "detected: torch is not installed"
     for field, platform in (("hip", "rocm"), ("cuda", "cuda"), ("xpu", "xpu")):
         if info.get(field):
-            return platform
-    if info and sys.platform == "darwin" and os.uname().machine == "arm64":
-        return "mps"
-    return "cpu"
+            visible, why = device_visible(platform)
+            if visible is False:
+                flavour = "ROCm" if platform == "rocm" else "CUDA"
+                return "cpu", (
+                    f"{source}: a {flavour} build, but {why}, so attention runs on the CPU; set "
+                    f"{PLATFORM_ENV}={platform} to choose {platform} anyway"
+                )
+            return platform, source
+    if sys.platform == "darwin" and os.uname().machine == "arm64":
+        return "mps", source
+    return "cpu", source
 
 
 def current_platform(override: str | None = None) -> str:
@@ -104,8 +151,4 @@ def describe_detection() -> str:
     """One line saying where the platform came from, for ``attnhost list`` and traces."""
     if current().platform:
         return f"from {PLATFORM_ENV}"
-    info = torch_build_info()
-    if not info:
-        return "detected: torch is not installed"
-    version = info.get("__version__") or "unknown version"
-    return f"detected from torch {version} build metadata"
+    return _detection()[1]
