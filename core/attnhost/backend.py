@@ -11,7 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, describe_exception, safe_repr
+from attnhost.errors import (
+    BackendUnavailableError,
+    UnsupportedFeatureError,
+    bounded,
+    describe_exception,
+    safe_repr,
+)
 from attnhost.forward_mode import ForwardMode
 from attnhost.kv_cache import KVCache, _OnDevice
 from attnhost.mla import MLAConfig, MLAForm
@@ -102,6 +108,10 @@ class BackendCapabilities:
     backend that reads slots through ``req_to_token`` does not care how they were allocated."""
 
     def __post_init__(self) -> None:
+        for field_name in ("dtypes", "head_dims", "kv_cache_dtypes", "page_sizes"):  # a generator is read once, here
+            value = getattr(self, field_name)
+            if value is not None and not isinstance(value, (str, bytes, int, tuple)) and hasattr(value, "__iter__"):
+                object.__setattr__(self, field_name, tuple(value))
         for flag in ("cuda_graph", "flat_heads", "tree_mask", "mla", *VARIANT_FEATURES):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"BackendCapabilities.{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -185,9 +195,25 @@ def _positive_int(value: object) -> bool:
 
 
 def capabilities_of(factory: object) -> BackendCapabilities:
-    """The capabilities a loaded factory declares (a class attribute), else the conservative default."""
-    declared = getattr(factory, "capabilities", None)
-    return declared if isinstance(declared, BackendCapabilities) else BackendCapabilities()
+    """The capabilities a loaded factory declares (a class attribute), else, where it declares none, the
+    conservative default. A declaration that is not a :class:`BackendCapabilities`, or whose reading raises, is
+    refused (``TypeError`` naming the factory): running a backend on defaults it did not declare would be a guess."""
+    name = getattr(factory, "__qualname__", None) or type(factory).__qualname__
+    way_out = "declare capabilities = BackendCapabilities(...) as a class attribute"
+    try:
+        declared = getattr(factory, "capabilities", None)
+    except Exception as exc:
+        raise TypeError(
+            f"{name}.capabilities raised {type(exc).__name__}: {bounded(str(exc))} when read; {way_out}"
+        ) from exc
+    if declared is None:
+        return BackendCapabilities()
+    if not isinstance(declared, BackendCapabilities):
+        raise TypeError(
+            f"{name}.capabilities is a {type(declared).__name__} ({safe_repr(declared)}), not an "
+            f"attnhost.BackendCapabilities; {way_out}"
+        )
+    return declared
 
 
 @dataclass(frozen=True, slots=True)

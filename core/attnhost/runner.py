@@ -187,7 +187,10 @@ class ModelRunner:
         except (Exception, SystemExit) as exc:
             raise BackendUnavailableError(f"{where} could not be loaded: {describe_exception(exc)}; {way_out}") from exc
         owner = entry.distribution or f"plugin {entry.plugin!r}"
-        self._capabilities[name] = capabilities_of(factory)
+        try:
+            self._capabilities[name] = capabilities_of(factory)
+        except TypeError as exc:
+            raise BackendUnavailableError(f"{where} declares no usable capabilities: {exc}; {way_out}") from exc
         if self.mla is not None and not self._capabilities[name].mla:
             m = self.mla
             raise UnsupportedFeatureError(

@@ -871,12 +871,13 @@ def make_identity(engine_name: str, backend: ExportedBackend, sibling: str | Non
     origin = plugin_label(entry.plugin, entry.distribution, entry.version)
     try:
         factory = entry.spec.load()
+        capabilities = capabilities_of(factory)
     except Exception as exc:
         raise BackendUnavailableError(
             f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
             f"reinstall {entry.distribution or 'the plugin'} or choose another --attention-backend"
         ) from exc
-    return _Identity(engine_name, backend.name, origin, factory, capabilities_of(factory), sibling)
+    return _Identity(engine_name, backend.name, origin, factory, capabilities, sibling)
 
 
 def named_class(identity: _Identity, base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
