@@ -634,3 +634,37 @@ def test_forward_batch_checks_its_tree_mask_and_keeps_it_on_the_cache_device() -
         with pytest.raises(ValueError, match=r"must be a bool tensor \(True: the token may attend\), got torch"):
             ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 2, 2)], tree_mask=mask)
     assert pool.available_slots == pool.num_slots - 2  # the refused batches took no slot
+
+
+# -- a request table that names no slot -----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefix_slots", "match"),
+    [
+        ([125, 126, 127], r"req_to_token\[0, 3\] = 128 \(request 0 of the batch\) is not a slot of layer 0's K/V"),
+        ([-2, -1, 0], r"req_to_token\[0, 0\] = -2 \(request 0 of the batch\) is not a slot; the table must name"),
+        ([7, 3, 11], r"req_to_token\[0, 3\] = 128 \(request 0 of the batch\) is not a slot of layer 0's K/V"),
+    ],
+    ids=["consecutive-past-the-end", "consecutive-negative", "fragmented-past-the-end"],
+)
+def test_a_table_entry_outside_the_cache_is_refused_naming_it_before_anything_is_written(
+    prefix_slots: list[int], match: str
+) -> None:
+    """A row of consecutive slots running off a 128-slot cache was read as a truncated (or wrapped) view and
+    returned normally; a fragmented one failed in the gather with a raw IndexError."""
+    pool = make_pool(num_layers=1, num_slots=128)
+    layer = AttentionLayer(0, 4, 2, HEAD_DIM)
+    row = pool.alloc_request()
+    for position, slot in enumerate(prefix_slots):
+        pool.req_to_token[row, position] = slot
+    last = prefix_slots[-1] + 1 if prefix_slots[0] != 7 else 128  # the new token: consecutive, or past the end
+    pool.req_to_token[row, len(prefix_slots)] = last if prefix_slots[0] >= 0 else 1
+    batch = ForwardBatch.from_lists(pool, ForwardMode.EXTEND, [(row, len(prefix_slots), 1)], torch.tensor([5]))
+    before = (pool.k_buffer(0).clone(), pool.v_buffer(0).clone())
+    backend = TorchNativeAttnBackend()
+    q, k, v = new_tokens(batch, layer)
+    with pytest.raises(ValueError, match=match):
+        backend.init_forward_metadata(batch)
+        backend.forward(q, k, v, layer, batch)
+    assert torch.equal(pool.k_buffer(0), before[0]) and torch.equal(pool.v_buffer(0), before[1]), "written first"

@@ -212,9 +212,23 @@ class _BatchPlan:
     chunks: dict[tuple[int, int, bool, int], tuple[list[_DecodeChunk], int]] = field(default_factory=dict)
     """Decode chunks and their largest slot count, by (kv heads, bytes of one cache row, whether the cache
     has head-major rows, sliding window or -1)."""
+    largest: tuple[int, int, int, int] = (-1, -1, -1, -1)
+    """(slot, request, table row, position) of the largest slot any request reads: every layer's buffers must hold
+    it (checked per layer in O(1), before anything is written)."""
     variant_masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     """The masks of variant layers' query blocks (torch_native_variants.py), shared by every block and request
     whose visibility pattern is the same (the band of a sliding window repeats along a long prompt)."""
+
+    def check_reads(self, num_slots: int, layer_id: int) -> None:
+        """Refuse a layer whose K/V buffers do not hold every slot the batch reads (a table row that runs off the
+        cache would otherwise be read as a truncated view, or fail inside a gather), naming the entry."""
+        slot, request, row, position = self.largest
+        if slot >= num_slots:
+            raise ValueError(
+                f"torch_native: req_to_token[{row}, {position}] = {slot} (request {request} of the batch) is not a "
+                f"slot of layer {layer_id}'s K/V buffers ({num_slots} slots); the table must name a slot of the KV "
+                "cache for every token the batch reads"
+            )
 
     def gather_scratch(self, buffer: torch.Tensor, role: int, rows: int | None = None) -> torch.Tensor | None:
         """A tensor of at least ``rows`` rows (default: the longest fragmented request's), or None for none."""
@@ -269,24 +283,28 @@ class TorchNativeAttnBackend(AttentionBackend):
         """Resolve every request's key slots once, so layers only slice and call SDPA."""
         table = forward_batch.kv_pool.req_to_token
         rows = forward_batch.req_pool_indices.tolist()
-        plans = [
-            _plan_request(table[row], q_start, prefix, extend)
-            for row, q_start, prefix, extend in zip(
+        plans, largest = [], (-1, -1, -1, -1)
+        for i, (row, q_start, prefix, extend) in enumerate(
+            zip(
                 rows,
                 forward_batch.extend_start_loc_cpu,
                 forward_batch.prefix_lens_cpu,
                 forward_batch.extend_seq_lens_cpu,
                 strict=True,
             )
-        ]
+        ):
+            plan, (high, position) = _plan_request(table[row], q_start, prefix, extend, (i, row))
+            plans.append(plan)
+            if high > largest[0]:
+                largest = (high, i, row, position)
         if forward_batch.tree_mask is not None:
             _plan_trees(plans, forward_batch.tree_mask)
         lone_view = len(plans) == 1 and plans[0].kv_run is not None  # nothing to gather: a view is cheaper
         if plans and not lone_view and all(plan.q_len == 1 and plan.tree is None for plan in plans):
-            self._plan = _BatchPlan(forward_batch, plans, (table, rows))
+            self._plan = _BatchPlan(forward_batch, plans, (table, rows), largest=largest)
         else:
             longest = max((plan.seq_len for plan in plans if plan.kv_run is None), default=0)
-            self._plan = _BatchPlan(forward_batch, plans, None, longest)
+            self._plan = _BatchPlan(forward_batch, plans, None, longest, largest=largest)
 
     def forward_extend(
         self,
@@ -300,6 +318,9 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> Tensor:
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
+        plan.check_reads(
+            min(pool.k_buffer(layer.layer_id).shape[0], pool.v_buffer(layer.layer_id).shape[0]), layer.layer_id
+        )
         if save_kv_cache:
             if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
                 k, v = (t.view(-1, layer.num_kv_heads, layer.head_dim) for t in (k, v))
@@ -365,6 +386,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> Tensor:
         """MLA's absorbed form, every forward mode (torch_native_mla.py)."""
         plan = self._plan_for(forward_batch)
+        plan.check_reads(forward_batch.kv_pool.k_buffer(layer.layer_id).shape[0], layer.layer_id)
         return torch_native_mla.forward_mqa(plan, q, k, layer, forward_batch, save_kv_cache, q_rope, k_rope)
 
     def _plan_for(self, forward_batch: ForwardBatch) -> _BatchPlan:
@@ -377,10 +399,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         return plan
 
 
-def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: int) -> _RequestPlan:
-    """Read the request's slots once and pick a view (one ascending run) or a gather."""
+def _plan_request(
+    slots_row: torch.Tensor, q_start: int, prefix: int, extend: int, where: tuple[int, int]
+) -> tuple[_RequestPlan, tuple[int, int]]:
+    """Read the request's slots once and pick a view (one ascending run) or a gather; refuse a slot that is negative
+    (``where``: the request's index in the batch and its table row) and return the largest slot and its position."""
     seq_len = prefix + extend
     slots = slots_row[:seq_len]
+    request, row = where
+    if slots.shape[0] < seq_len:
+        raise ValueError(
+            f"torch_native: request {request} of the batch reads {seq_len} positions of req_to_token row {row}, "
+            f"which has {slots.shape[0]}"
+        )
+    low, high = (int(x) for x in torch.aminmax(slots))
+    if low < 0:
+        position = int(torch.argmin(slots))
+        raise ValueError(
+            f"torch_native: req_to_token[{row}, {position}] = {low} (request {request} of the batch) is not a slot; "
+            "the table must name a slot of the KV cache for every token the batch reads"
+        )
     first = int(slots[0])
     steps = slots[1:] - slots[:-1]
     contiguous = bool((steps == 1).all())
@@ -391,7 +429,7 @@ def _plan_request(slots_row: torch.Tensor, q_start: int, prefix: int, extend: in
         seq_len=seq_len,
         kv_run=(first, first + seq_len) if contiguous else None,
         kv_index=None if contiguous else slots.clone(),
-    )
+    ), (high, int(torch.argmax(slots)))
 
 
 def _plan_trees(plans: list[_RequestPlan], tree_mask: torch.Tensor) -> None:
