@@ -31,6 +31,8 @@ class _Build(BuildExtension.with_options(use_ninja=True)):  # type: ignore[misc]
                 "torch's headers require (torch adds its -std flag itself): install a newer g++ or clang, or a torch "
                 "release this compiler supports"
             ) from exc
+
+
 sources = ["csrc/bindings.cpp", "csrc/kernel_base.cpp"]
 if X86:  # one build per instruction set, picked at run time: the wheel runs on any x86-64
     sources += ["csrc/kernel_avx2.cpp", "csrc/kernel_avx512.cpp"]

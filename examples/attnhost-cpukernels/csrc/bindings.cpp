@@ -212,10 +212,20 @@ void plan_batch(const torch::Tensor& table, int64_t batch, RowAt row_at, PrefixA
                   paged ? "page" : "slot", " of the KV cache for every token the batch reads");
     }
     if (column_step > 1) {  // a token-level table read by pages: each page's first slot, page-aligned, as a page
+      const int64_t seq = m[1] + m[2];
       for (int64_t j = 0; j < count; ++j) {
         TORCH_CHECK(to[j] % page_size == 0, "attnhost-cpukernels: ", table_name, "[", row, ", ", j * column_step,
                     "] = ", to[j], " (request ", r, " of the batch) is not the first slot of a page of ", page_size,
                     " tokens; a paged cache's table must hold whole pages, page-aligned");
+        // the kernel reads the page's slots in a run: the table's other entries of the page must be that run
+        for (int64_t o = 1; o < page_size && j * page_size + o < seq; ++o) {
+          const int64_t at = (j * page_size + o) * table.stride(1);
+          const int64_t slot = int32 ? static_cast<int64_t>(table.data_ptr<int32_t>()[row * table.stride(0) + at])
+                                     : table.data_ptr<int64_t>()[row * table.stride(0) + at];
+          TORCH_CHECK(slot == to[j] + o, "attnhost-cpukernels: ", table_name, "[", row, ", ", j * page_size + o,
+                      "] = ", slot, " (request ", r, " of the batch) is not slot ", to[j] + o, " of the page that "
+                      "starts at slot ", to[j], "; a paged cache's table must hold whole pages, in order");
+        }
         to[j] /= page_size;
       }
       hi /= page_size;

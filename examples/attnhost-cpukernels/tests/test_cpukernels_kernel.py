@@ -422,6 +422,25 @@ def test_a_page_outside_the_cache_is_refused() -> None:
         backend.forward(torch.randn(3, 4, 32, generator=gen), kv, kv, layer, batch, save_kv_cache=False)
 
 
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ([5, 6, 7, 8], r"req_to_token\[0, 0\] = 5 \(request 0 of the batch\) is not the first slot of a page of 4"),
+        ([4, 9, 10, 11], r"req_to_token\[0, 1\] = 9 \(request 0 of the batch\) is not slot 5 of the page that starts"),
+        ([8, 9, 10, 11, 12, 14], r"req_to_token\[0, 5\] = 14 .* is not slot 13 of the page that starts at slot 12"),
+    ],
+    ids=["not-page-aligned", "page-broken-inside", "second-page-broken"],
+)
+def test_a_paged_table_that_is_not_whole_pages_is_refused_naming_the_entry(row: list[int], match: str) -> None:
+    """With pages the kernel reads each page's slots as one run: a table row that is not whole pages in order (here
+    at page size 4) would have it read other slots, silently; it is refused when the batch is planned."""
+    pool = KVPool(1, 64, 2, 32, max_requests=2, max_context_len=32, page_size=4)
+    pool.req_to_token[0, : len(row)] = torch.tensor(row)
+    batch = ForwardBatch.from_lists(pool, ForwardMode.DECODE, [(0, len(row) - 1, 1)], torch.tensor([row[-1]]))
+    with pytest.raises(RuntimeError, match=match):
+        CpuPagedAttnBackend().init_forward_metadata(batch)
+
+
 @pytest.mark.parametrize("cache", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("dim", [128, 72, 24])
 def test_every_fp8_byte_reads_as_its_value_times_the_scale(cache: str, dim: int) -> None:
