@@ -315,6 +315,61 @@ def test_a_variant_mistake_is_named(variant: dict[str, Any], mistake: str, named
     assert message is not None and message.startswith(f"the output matches {named} (max abs error"), message
 
 
+def _capped(q: Any, k: Any, v: Any, visible: Any, transform: Any) -> Any:
+    """``[new, heads, dim]`` attention whose scores (``q·k``, unscaled) go through ``transform``, by hand."""
+    import torch
+
+    scores = transform(torch.einsum("qhd,khd->hqk", q.double(), k.double()))
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v.double())
+
+
+CAP_MISTAKES = {
+    "without the division": (
+        lambda s, cap: cap * (s * 0.25).tanh(),
+        "attention soft-capped as cap * tanh(score), the division by the cap inside tanh left out",
+    ),
+    "before the scale": (
+        lambda s, cap: cap * (s / cap).tanh() * 0.25,
+        "attention soft-capped before the softmax scale",
+    ),
+}
+
+
+@pytest.mark.parametrize("cap", [3.0, 5.0])
+@pytest.mark.parametrize("mistake", sorted(CAP_MISTAKES))
+def test_a_soft_cap_written_wrong_is_named_at_the_kits_caps(mistake: str, cap: float) -> None:
+    """The kit's caps (``VariantConformance.variant_caps``) keep each wrong cap apart from every other mistake."""
+    from attnhost.testing.diagnose import LayerFacts, RequestView, diagnose
+    from attnhost.testing.variant_conformance import VariantConformance
+
+    assert cap in VariantConformance.variant_caps
+    q, (k, v), _, prefix, causal = _layer()
+    transform, named = CAP_MISTAKES[mistake]
+    wrong = _capped(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), causal, lambda s: transform(s, cap)
+    )
+    facts = LayerFacts(4, 2, 0.25, logit_cap=cap)
+    message = diagnose(wrong, [RequestView(q, k, v, prefix)], facts, 1e-9)
+    assert message is not None and message.startswith(f"the output matches {named}"), message
+    assert " or " not in message.split("(max abs error")[0], message
+
+
+def test_two_mistakes_a_batch_cannot_tell_apart_are_both_named() -> None:
+    """At a cap of 2, ``cap * tanh(score)`` is exactly a doubled scale under the cap: both are named."""
+    from attnhost.testing.diagnose import LayerFacts, RequestView, diagnose
+
+    q, (k, v), _, prefix, causal = _layer()
+    transform, _ = CAP_MISTAKES["without the division"]
+    wrong = _capped(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), causal, lambda s: transform(s, 2.0)
+    )
+    message = diagnose(wrong, [RequestView(q, k, v, prefix)], LayerFacts(4, 2, 0.25, logit_cap=2.0), 1e-9)
+    assert message is not None, message
+    assert "the softmax scale doubled" in message and "the division by the cap inside tanh left out" in message
+    assert "multiplied by 2" in message and "is the score divided by the cap?" in message, message
+
+
 def test_ignored_sinks_are_named() -> None:
     import torch
 

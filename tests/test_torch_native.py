@@ -668,3 +668,146 @@ def test_a_table_entry_outside_the_cache_is_refused_naming_it_before_anything_is
         backend.init_forward_metadata(batch)
         backend.forward(q, k, v, layer, batch)
     assert torch.equal(pool.k_buffer(0), before[0]) and torch.equal(pool.v_buffer(0), before[1]), "written first"
+
+
+# -- shapes that do not fit the layer and the batch --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "match"),
+    [
+        ((4, 8, 32), r"q of shape \[4, 8, 32\] for layer 0, whose batch brings 2 new tokens.*expected \[2, 16, 32\]"),
+        ((2, 32, 16), r"q of shape \[2, 32, 16\] for layer 0.*16 heads of 32: expected \[2, 16, 32\]"),
+        ((2, 8, 64), r"q of shape \[2, 8, 64\].*expected \[2, 16, 32\] \(or flat \[2, 512\]\)"),
+    ],
+    ids=["tokens", "heads", "head_dim"],
+)
+def test_a_q_of_the_right_size_and_the_wrong_shape_is_refused_before_anything_is_written(
+    q_shape: tuple[int, ...], match: str
+) -> None:
+    """A decode ``q`` of ``[4, 8, 32]`` for two tokens of 16 heads of 32 has the right element count: it was
+    viewed as the layer's shape and attended, silently wrong."""
+    pool = KVPool(1, 64, 4, 32, max_requests=4, max_context_len=16)
+    layer = AttentionLayer(0, 16, 4, 32)
+    rows = alloc(pool, 2)
+    ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 3) for r in rows])
+    batch = ForwardBatch.prepare(pool, ForwardMode.DECODE, [(r, 3, 1) for r in rows])
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    _, k, v = new_tokens(batch, layer)
+    before = pool.k_buffer(0).clone()
+    with pytest.raises(ValueError, match=match):
+        backend.forward(torch.randn(q_shape), k, v, layer, batch)
+    assert torch.equal(pool.k_buffer(0), before), "the cache was written before the refusal"
+
+
+def test_new_keys_of_the_wrong_shape_are_refused_before_anything_is_written() -> None:
+    pool = KVPool(1, 64, 4, 32, max_requests=4, max_context_len=16)
+    layer = AttentionLayer(0, 16, 4, 32)
+    (row,) = alloc(pool, 1)
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(row, 0, 4)])
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    q, k, v = new_tokens(batch, layer)
+    with pytest.raises(ValueError, match=r"k of shape \[8, 2, 32\].*4 new tokens.*expected \[4, 4, 32\]"):
+        backend.forward(q, k.reshape(8, 2, 32), v, layer, batch)
+    with pytest.raises(ValueError, match=r"v of shape \[4, 4, 16\]"):
+        backend.forward(q, k, v[..., :16], layer, batch)
+    assert not pool.k_buffer(0).any() and not pool.v_buffer(0).any(), "the cache was written before the refusal"
+    assert backend.forward(q.reshape(4, -1), k.reshape(4, -1), v.reshape(4, -1), layer, batch).shape == (4, 512)
+
+
+def _mla_batch() -> tuple[object, ForwardBatch, TorchNativeAttnBackend]:
+    from attnhost.mla import MLAConfig
+    from attnhost.mla_pool import MLAKVPool
+
+    config = MLAConfig(kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=4)
+    pool = MLAKVPool(1, 32, config, max_requests=2, max_context_len=8)
+    rows = [pool.alloc_request() for _ in range(2)]
+    batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 3) for r in rows])  # 6 tokens
+    backend = TorchNativeAttnBackend()
+    backend.init_forward_metadata(batch)
+    return config, batch, backend
+
+
+@pytest.mark.parametrize(
+    ("shapes", "match"),
+    [
+        ({"q": (9, 2, 8)}, r"q of shape \[9, 2, 8\] for layer 0, whose batch brings 6 new tokens.*\[6, 2, 12\]"),
+        ({"k": (9, 1, 8)}, r"k of shape \[9, 1, 8\].*expected \[6, 1, 12\]"),
+        ({"k": (6, 1, 8), "k_rope": (3, 1, 8)}, r"k_rope of shape \[3, 1, 8\].*expected \[6, 1, 4\]"),
+    ],
+    ids=["q", "k", "k_rope"],
+)
+def test_mla_absorbed_inputs_of_the_wrong_shape_are_refused_before_a_latent_row_is_written(
+    shapes: dict[str, tuple[int, ...]], match: str
+) -> None:
+    from attnhost.mla import MLAForm
+
+    config, batch, backend = _mla_batch()
+    layer = AttentionLayer.for_mla(config, MLAForm.ABSORBED, 0, 2)  # type: ignore[arg-type]
+    q = torch.randn(shapes.get("q", (6, 2, 12)))
+    k = torch.randn(shapes.get("k", (6, 1, 12)))
+    k_rope = torch.randn(shapes["k_rope"]) if "k_rope" in shapes else None
+    with pytest.raises(ValueError, match=match):
+        backend.forward_mla_mqa(q, k, None, layer, batch, True, None, k_rope)
+    assert not batch.kv_pool.k_buffer(0).any(), "a latent row was written before the refusal"
+
+
+def test_mla_mha_values_of_the_wrong_width_are_refused() -> None:
+    from attnhost.mla import MLAForm
+
+    config, batch, backend = _mla_batch()
+    layer = AttentionLayer.for_mla(config, MLAForm.MHA, 0, 2)  # type: ignore[arg-type]
+    q, k = torch.randn(6, 2, 12), torch.randn(6, 2, 12)
+    with pytest.raises(ValueError, match=r"v of shape \[3, 2, 8\].*expected \[6, 2, 4\]"):
+        backend.forward_mla_mha(q, k, torch.randn(3, 2, 8), layer, batch)
+
+
+# -- a batch whose device tensors disagree with its host lengths or its table ------------------
+
+
+def _decode_batch() -> ForwardBatch:
+    pool = make_pool()
+    rows = alloc(pool, 2)
+    ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(r, 0, 3) for r in rows])
+    return ForwardBatch.prepare(pool, ForwardMode.DECODE, [(r, 3, 1) for r in rows])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"req_pool_indices": [0, -1]}, r"req_pool_indices\[1\] = -1 is not a row of req_to_token \(rows 0 to 7\)"),
+        ({"req_pool_indices": [0, 8]}, r"req_pool_indices\[1\] = 8 is not a row of req_to_token"),
+        ({"seq_lens": [4, 5], "prefix_lens": [3, 4]}, r"seq_lens\[1\] = 5 on the device, 4 in seq_lens_cpu"),
+        ({"prefix_lens": [3, 2]}, r"request 1: prefix_lens 2 \+ extend_seq_lens 1 != seq_lens 4 on the device"),
+    ],
+    ids=["row-minus-one", "row-past-the-table", "seq-lens-disagree", "prefix-disagrees"],
+)
+def test_a_batch_whose_device_tensors_disagree_is_refused_naming_the_entry(
+    change: dict[str, list[int]], match: str
+) -> None:
+    """``req_pool_indices = -1`` was wrapped to the table's last row, and device lengths other than the host's
+    were read by some backends and not by others."""
+    batch = _decode_batch()
+    fields = {name: torch.tensor(values) for name, values in change.items()}
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(batch, **fields)
+
+
+def test_host_bounds_admit_shorter_device_lengths_and_nothing_longer() -> None:
+    batch = _decode_batch()
+    bounded = dataclasses.replace(
+        batch, seq_lens_cpu=(6, 6), prefix_lens_cpu=(5, 5), host_lengths_exact=False
+    )  # the device's 4s within the bounds
+    assert bounded.seq_lens.tolist() == [4, 4]
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 4 on the device, outside \[1, 3\] \(its host bounds\)"):
+        dataclasses.replace(batch, seq_lens_cpu=(3, 6), prefix_lens_cpu=(2, 5), host_lengths_exact=False)
+
+
+def test_a_batch_of_no_requests_is_idle_or_refused() -> None:
+    pool = make_pool()
+    empty = torch.zeros(0, dtype=torch.int64)
+    with pytest.raises(ValueError, match="this EXTEND batch has no requests; use IDLE for none"):
+        ForwardBatch(ForwardMode.EXTEND, pool, empty, empty, empty, empty, empty, (), (), ())
+    assert ForwardBatch(ForwardMode.IDLE, pool, empty, empty, empty, empty, empty, (), (), ()).batch_size == 0

@@ -255,6 +255,9 @@ class ForwardBatch:
     worker's whose host copy is a planning bound. ``extend_seq_lens_cpu`` is always exact. Only a backend that
     declares ``BackendCapabilities.cuda_graph`` is handed bounds (docs/graphs.md); every other one gets
     :meth:`with_exact_host_lengths`."""
+    pages: torch.Tensor | None = field(default=None, repr=False)
+    """The engine's own page table, where it keeps one in ``page_table``'s form (vLLM's block table): handed to the
+    backend as :attr:`page_table` instead of one rebuilt from ``req_to_token``. ``None``: built at first use."""
     batch_size: int = field(init=False)
     num_new_tokens: int = field(init=False)
     extend_start_loc_cpu: tuple[int, ...] = field(init=False)
@@ -284,10 +287,55 @@ class ForwardBatch:
                 raise ValueError(f"ForwardBatch: {name} must have shape ({n},)")
         if self.forward_mode is ForwardMode.IDLE and b:
             raise ValueError("ForwardBatch: an IDLE batch has no requests")
+        if self.forward_mode is not ForwardMode.IDLE and not b:
+            raise ValueError(f"ForwardBatch: this {self.forward_mode.name} batch has no requests; use IDLE for none")
         if self.forward_mode is ForwardMode.DECODE and any(e != 1 for e in self.extend_seq_lens_cpu):
             raise ValueError("ForwardBatch: a DECODE batch brings exactly one new token per request")
         if self.tree_mask is not None:
             _check_tree_mask("ForwardBatch", self.forward_mode, self.extend_seq_lens_cpu, self.tree_mask)
+        if b:
+            self._check_on_device()
+
+    def _check_on_device(self) -> None:
+        """The device's rows and lengths against the table and the host's, as one device-side assert (no read on
+        the host unless it fails, so no sync on a GPU): every row of ``req_to_token``, ``prefix + extend ==
+        seq_lens``, ``extend_seq_lens`` the host's, and ``seq_lens`` the host's (or, where those are bounds,
+        within them)."""
+        device = self.seq_lens.device
+        rows, seq = self.req_pool_indices, self.seq_lens
+        host = torch.tensor((*self.seq_lens_cpu, *self.extend_seq_lens_cpu)).to(device, non_blocking=True)
+        host_seq, host_extend = host[: self.batch_size], host[self.batch_size :]
+        lengths = (seq == host_seq) if self.host_lengths_exact else (seq <= host_seq) & (seq >= host_extend)
+        ok = (
+            lengths.all()
+            & (self.prefix_lens + self.extend_seq_lens == seq).all()
+            & (self.extend_seq_lens == host_extend).all()
+            & (rows.min() >= 0)
+            & (rows.max() < self.kv_pool.req_to_token.shape[0])
+        )
+        try:
+            torch._assert_async(ok, "ForwardBatch: its device tensors disagree with its host lengths or table")
+        except RuntimeError:  # a CPU tensor: the assert ran now, so the batch may be read to name the entry
+            raise ValueError(f"ForwardBatch: {self._first_disagreement()}") from None
+
+    def _first_disagreement(self) -> str:
+        """The first entry the device check refused, read on the host (only after the check failed)."""
+        table_rows = self.kv_pool.req_to_token.shape[0]
+        for i, row in enumerate(self.req_pool_indices.tolist()):
+            if not 0 <= row < table_rows:
+                return f"req_pool_indices[{i}] = {row} is not a row of req_to_token (rows 0 to {table_rows - 1})"
+        device = zip(self.seq_lens.tolist(), self.prefix_lens.tolist(), self.extend_seq_lens.tolist(), strict=True)
+        for i, (seq, prefix, extend) in enumerate(device):
+            host_seq, host_extend = self.seq_lens_cpu[i], self.extend_seq_lens_cpu[i]
+            if extend != host_extend:
+                return f"extend_seq_lens[{i}] = {extend} on the device, {host_extend} in extend_seq_lens_cpu"
+            if prefix + extend != seq:
+                return f"request {i}: prefix_lens {prefix} + extend_seq_lens {extend} != seq_lens {seq} on the device"
+            if self.host_lengths_exact and seq != host_seq:
+                return f"seq_lens[{i}] = {seq} on the device, {host_seq} in seq_lens_cpu (host_lengths_exact=True)"
+            if not self.host_lengths_exact and not extend <= seq <= host_seq:
+                return f"seq_lens[{i}] = {seq} on the device, outside [{extend}, {host_seq}] (its host bounds)"
+        return "its device tensors disagree with its host lengths or table"
 
     def with_exact_host_lengths(self) -> ForwardBatch:
         """This batch with exact host lengths, read from the device's ``seq_lens`` where the host's are bounds: one
@@ -304,7 +352,10 @@ class ForwardBatch:
         """``[batch_size, max_pages]`` int64: entry ``[i, n]`` is the page holding tokens ``n * page_size ..`` of
         request ``i`` (``req_to_token[req_pool_indices, ::page_size] // page_size``), for ``n`` below
         ``ceil(seq_lens[i] / page_size)``; later entries are undefined. Built on first use and kept on the batch,
-        so every layer shares one table (with page size 1 it is the requests' slots)."""
+        so every layer shares one table (with page size 1 it is the requests' slots); the engine's own where it
+        handed one over (:attr:`pages`)."""
+        if self.pages is not None:
+            return self.pages
         size = self.kv_pool.page_size
         width = -(-max(self.seq_lens_cpu, default=0) // size)
         table = self.kv_pool.req_to_token.index_select(0, self.req_pool_indices.to(torch.int64))

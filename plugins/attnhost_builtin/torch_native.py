@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from attnhost.backend import FLOAT_DTYPES, FP8_KV_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities
 from attnhost_builtin import torch_native_mla, torch_native_variants
+from attnhost_builtin.shapes import check_rows
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -318,9 +319,12 @@ class TorchNativeAttnBackend(AttentionBackend):
     ) -> Tensor:
         plan = self._plan_for(forward_batch)
         pool = forward_batch.kv_pool
-        plan.check_reads(
-            min(pool.k_buffer(layer.layer_id).shape[0], pool.v_buffer(layer.layer_id).shape[0]), layer.layer_id
-        )
+        tokens, lid = forward_batch.num_new_tokens, layer.layer_id
+        check_rows("q", q, tokens, layer.num_heads, layer.head_dim, lid)
+        if save_kv_cache:
+            check_rows("k", k, tokens, layer.num_kv_heads, layer.head_dim, lid)
+            check_rows("v", v, tokens, layer.num_kv_heads, layer.head_dim, lid)
+        plan.check_reads(min(pool.k_buffer(lid).shape[0], pool.v_buffer(lid).shape[0]), lid)
         if save_kv_cache:
             if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
                 k, v = (t.view(-1, layer.num_kv_heads, layer.head_dim) for t in (k, v))

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from attnhost_builtin.shapes import check_rows
+
 if TYPE_CHECKING:
     from attnhost.backend import AttentionLayer
     from attnhost.forward_batch import ForwardBatch
@@ -52,6 +54,9 @@ def forward_mha(
 ) -> torch.Tensor:
     """The MHA form: per request, causal (or tree) attention over its own rows of ``k``/``v``."""
     heads, qk_dim, v_dim = layer.num_heads, layer.head_dim, layer.v_head_dim
+    tokens = plan.batch.num_new_tokens
+    for name, tensor, dim in (("q", q, qk_dim), ("k", k, qk_dim), ("v", v, v_dim)):
+        check_rows(name, tensor, tokens, heads, dim, layer.layer_id)
     flat = q.dim() == 2
     q, k, v = q.view(-1, heads, qk_dim), k.view(-1, heads, qk_dim), v.view(-1, heads, v_dim)
     outputs = []
@@ -81,6 +86,14 @@ def forward_mqa(
     mla = _facts(layer)
     rank, width, heads = mla.kv_lora_rank, mla.latent_dim, layer.num_heads
     pool = forward_batch.kv_pool
+    tokens, lid = forward_batch.num_new_tokens, layer.layer_id
+    check_rows("q", q, tokens, heads, width if q_rope is None else rank, lid)
+    if q_rope is not None:
+        check_rows("q_rope", q_rope, tokens, heads, width - rank, lid)
+    if save_kv_cache and k is not None:
+        check_rows("k", k, tokens, 1, width if k_rope is None else rank, lid)
+        if k_rope is not None:
+            check_rows("k_rope", k_rope, tokens, 1, width - rank, lid)
     if save_kv_cache:
         if k is None:
             raise ValueError(

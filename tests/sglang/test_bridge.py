@@ -79,6 +79,19 @@ def plain(model_dir: Path) -> dict[str, Any]:
                     "tiny",
                 ),
                 _args(model_dir, "--attention-backend", "attnhost_torch_native"),
+                _args(model_dir, "--attention-backend", "batched_matmul", "--speculative-algorithm", "NGRAM"),
+                *(
+                    _args(
+                        model_dir,
+                        "--attention-backend",
+                        "batched_matmul",
+                        "--speculative-algorithm",
+                        algorithm,
+                        "--speculative-draft-model-path",
+                        str(model_dir),
+                    )
+                    for algorithm in ("EAGLE", "FROZEN_KV_MTP")
+                ),
             ],
             "late": True,
             "spawn": True,
@@ -119,7 +132,7 @@ def test_prepare_server_args_and_resolve_once_with_a_plugin_backend(plain: dict[
 
 
 def test_cuda_graphs_are_switched_off_for_an_adapter_without_graph_support(plain: dict[str, Any]) -> None:
-    tiny, batched, _, triton, _, torch_native = plain["resolved"]
+    tiny, batched, _, triton, _, torch_native, *_ = plain["resolved"]
     assert (torch_native["cuda_graph_decode"], torch_native["cuda_graph_prefill"]) == ("disabled", "disabled")
     assert triton["cuda_graph_decode"] != "disabled"  # SGLang's own backend keeps its graphs: the hook did it
     # SGLang reconfigures logging while it resolves arguments, so these lines are read from the process's stderr
@@ -133,6 +146,20 @@ def test_cuda_graphs_are_switched_off_for_an_adapter_without_graph_support(plain
     assert "Prefill CUDA graphs are disabled for attnhost backend(s) batched_matmul" in plain["stderr"]
 
 
+def test_speculative_runs_keep_the_decode_graphs_attnhost_captures(plain: dict[str, Any]) -> None:
+    """NGRAM and EAGLE: the target's verify graphs and EAGLE's draft-decode graphs run through the adapter
+    (tests/sglang/test_spec_graphs.py), so SGLang's decode-phase graphs stay on; an algorithm whose graph runners
+    attnhost does not drive (frozen-KV MTP brings its own) gets them off, in one line naming it."""
+    ngram, eagle, frozen = plain["resolved"][6:]
+    for graphs in (ngram, eagle):
+        assert (graphs["cuda_graph_decode"], graphs["cuda_graph_prefill"]) == ("full", "disabled"), graphs
+    assert (frozen["cuda_graph_decode"], frozen["cuda_graph_prefill"]) == ("disabled", "disabled"), frozen
+    assert (
+        "CUDA graph is disabled for attnhost backend(s) batched_matmul in FROZEN_KV_MTP speculative decoding: "
+        "attnhost captures the graphs of plain decoding and of EAGLE, EAGLE3, NGRAM, STANDALONE"
+    ) in plain["stderr"]
+
+
 def test_a_draft_only_attnhost_backend_is_weighed_too(plain: dict[str, Any]) -> None:
     """SGLang's own target with an attnhost draft: the draft's graph support decides, as the target's would."""
     draft = plain["resolved"][4]
@@ -140,7 +167,7 @@ def test_a_draft_only_attnhost_backend_is_weighed_too(plain: dict[str, Any]) -> 
     assert (draft["cuda_graph_decode"], draft["cuda_graph_prefill"]) == ("full", "disabled"), draft
     # the bridge weighed the draft: tiny is named by two resolutions, the tiny target's and this one's
     lines = [line for line in plain["stderr"].splitlines() if "Prefill CUDA graphs are disabled" in line]
-    assert sum(line.endswith("attnhost backend(s) tiny (decode graphs only)") for line in lines) == 2, lines
+    assert sum(line.endswith("attnhost backend(s) tiny (decode-phase graphs only)") for line in lines) == 2, lines
 
 
 def test_sglangs_draft_resolver_inherits_a_draft_capable_plugin_backend(plain: dict[str, Any]) -> None:

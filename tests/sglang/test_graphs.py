@@ -253,9 +253,9 @@ def test_a_backend_without_graph_support_is_refused_when_the_runner_starts() -> 
         adapter.get_cuda_graph_seq_len_fill_value()
 
 
-def test_target_verify_graphs_are_refused_by_name() -> None:
+def test_a_graph_of_a_mode_the_adapter_does_not_capture_is_refused_by_name() -> None:
     adapter = _fixture("batched_matmul").backend
     adapter.init_cuda_graph_state(CAPTURED, CAPTURED)
-    view = SimpleNamespace(batch_size=2, forward_mode=ForwardMode.TARGET_VERIFY)
-    with pytest.raises(UnsupportedFeatureError, match=r"TARGET_VERIFY graphs.*--disable-cuda-graph"):
+    view = SimpleNamespace(batch_size=2, forward_mode=ForwardMode.DRAFT_EXTEND_V2)
+    with pytest.raises(UnsupportedFeatureError, match=r"DRAFT_EXTEND_V2 graphs.*--disable-cuda-graph"):
         adapter.init_forward_metadata_out_graph(view, in_capture=True)

@@ -11,9 +11,9 @@ declare graph support, and the adapter plans every step into the buffers it allo
 The probe shows the captures and the padded replays of each.
 
 SGLang 0.5.23's ``CPUGraphRunner`` refuses speculative decoding outright ("CPUGraphRunner does not support
-speculative inference yet"), so a speculative chain cannot run inside it here; the bridge turns SGLang's decode
-graphs off for attnhost backends in speculative runs (tests/sglang/test_bridge.py), and the adapter's own graph
-steps are checked in the runners' order in tests/sglang/test_graphs.py.
+speculative inference yet") and an EAGLE draft worker captures no graph where ``is_cpu()`` holds, so a
+speculative chain cannot run inside a graph here; the adapter's verify and draft-decode graph steps are checked
+in the CUDA runners' order in tests/sglang/test_spec_graphs.py, its decode ones in tests/sglang/test_graphs.py.
 """
 
 from __future__ import annotations

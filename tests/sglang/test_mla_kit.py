@@ -165,3 +165,29 @@ def test_one_head_per_rank_tells_the_forms_apart_by_the_call() -> None:
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.3
     ).transpose(0, 1)
     torch.testing.assert_close(out.view(tokens, 1, rank), expected)
+
+
+def test_an_mla_kernel_that_raises_is_named_with_its_plugin_form_and_layer() -> None:
+    """The dense paths' rule on the MLA path too: a plugin's exception becomes one line naming who failed where."""
+    import re
+
+    from sglang.test.kits.attention_unittest.attention_methods.mla_attention import run_mla_fixture_eager
+
+    from attnhost import BackendFailedError
+
+    fixture = build_mla_fixture(mla_cases("attnhost_torch_native")[0])
+    error = ValueError("illegal instruction")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise error
+
+    backend = fixture.backend.attnhost_backend
+    backend.forward_mla_mqa = backend.forward_mla_mha = fail  # the kernels of a plugin that breaks on this machine
+    with pytest.raises(BackendFailedError) as caught:
+        run_mla_fixture_eager(fixture)
+    assert caught.value.__cause__ is error
+    pattern = (
+        r"^attnhost backend 'torch_native' \(plugin 'builtin' .*--attention-backend 'attnhost_torch_native' failed "
+        r"in forward_mla_m[hq]a \((EXTEND|DECODE|MIXED) batch, layer 0\): ValueError: illegal instruction"
+    )
+    assert re.search(pattern, str(caught.value)), str(caught.value)

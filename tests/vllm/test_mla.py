@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -261,6 +262,56 @@ def test_latent_views_are_vllms_memory_and_each_form_has_its_own_backend() -> No
     assert values.shape == (cache.shape[0] * 16, 1, rank) and not values.is_contiguous()
     r = case.requests[2]  # req_to_token is block_table at token level
     assert kv.req_to_token[2, : r.seq].tolist() == [r.blocks[p // 16] * 16 + p % 16 for p in range(r.seq)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_latent_cache_reports_vllms_block_size_as_its_page_size(block_size: int) -> None:
+    """A paged MLA backend reads ``ForwardBatch.page_table``: its pages must be vLLM's blocks, as the dense view's."""
+    case = make_mla_case(MLA_BATCHES["mixed_with_prefix"], block_size=block_size, num_layers=1)
+    metadata = mla_class().get_builder_cls()(case.spec, LAYER_NAMES[:1], VllmConfig(), "cpu").build(0, case.metadata)
+    form = metadata.absorbed
+    assert form.kv.page_size == block_size
+    pages = form.batch.page_table
+    for row, r in enumerate(case.requests):
+        used = -(-r.seq // block_size)
+        assert pages[row, :used].tolist() == list(r.blocks[:used]), f"request {row}'s pages are not its blocks"
+
+
+class _Raising(TorchNativeAttnBackend):
+    """A plugin whose MLA kernels break on this machine."""
+
+    def forward_mla_mqa(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ValueError("illegal instruction")
+
+    def forward_mla_mha(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ValueError("illegal instruction")
+
+
+@pytest.mark.parametrize("form", ["forward_mla_mqa", "forward_mla_mha"])
+def test_an_mla_kernel_that_raises_is_named_with_its_plugin_form_and_layer(form: str) -> None:
+    from attnhost import BackendFailedError
+
+    identity = dataclasses.replace(mla_class().identity, factory=_Raising)
+    cls = mla_backend_class(identity)
+    batch = "decode" if form == "forward_mla_mqa" else "prefill"
+    case = make_mla_case(MLA_BATCHES[batch], block_size=16, num_layers=1)
+    metadata = cls.get_builder_cls()(case.spec, LAYER_NAMES[:1], VllmConfig(), "cpu").build(0, case.metadata)
+    impl = impl_for(case, cls=cls, kv_b_proj=kv_b_proj_for(case, 0, torch.float32))
+    cache = case.caches[0].squeeze(1)
+    with pytest.raises(BackendFailedError) as caught:
+        if form == "forward_mla_mqa":
+            impl.forward_mqa(torch.randn(case.num_tokens, case.num_heads, case.mla.latent_dim), cache, metadata, None)
+        else:
+            q, kv_c, k_pe = (t[: case.num_tokens] for t in case.layer_inputs(0, torch.float32))
+            output = torch.empty(case.num_tokens, case.num_heads * case.mla.v_head_dim)
+            impl.forward_mha(q, kv_c, k_pe, cache, metadata, None, output)
+    assert isinstance(caught.value.__cause__, ValueError)
+    mode = "DECODE" if batch == "decode" else "(EXTEND|MIXED)"
+    pattern = (
+        rf"^attnhost backend 'torch_native' \(plugin 'builtin' .*failed in {form} \({mode} batch, layer "
+        rf"{impl.absorbed_layer.layer_id}\): ValueError: illegal instruction.*report this to the maintainers"
+    )
+    assert re.search(pattern, str(caught.value)), str(caught.value)
 
 
 # -- a wrong form is caught, and only where it runs -------------------------------------------------------------------

@@ -195,6 +195,19 @@ def _window_shift(delta: int) -> Recompute:
     return recompute
 
 
+def _capped(scaling: Callable[[LayerFacts], float], cap: Callable[[LayerFacts], float]) -> Recompute:
+    """A soft-cap written wrong, recomputed through the reference's own cap: ``cap * tanh(score)`` is the
+    reference with the scale times the cap, ``scaling * cap * tanh(q·k / cap)`` the reference with the cap times
+    the scale."""
+
+    def recompute(request: RequestView, facts: LayerFacts, ref: Reference) -> torch.Tensor | None:
+        if facts.logit_cap <= 0:
+            return None
+        return ref(request.q, request.k, request.v, scaling=scaling(facts), logit_cap=cap(facts))
+
+    return recompute
+
+
 def _variant_off(key: str, value: object, applies: Callable[[LayerFacts], bool]) -> Recompute:
     def recompute(request: RequestView, facts: LayerFacts, ref: Reference) -> torch.Tensor | None:
         if not applies(facts):
@@ -285,6 +298,18 @@ MISTAKES: tuple[Mistake, ...] = (
         _variant_off("logit_cap", 0.0, lambda f: f.logit_cap > 0),
     ),
     Mistake(
+        "cap without the division",
+        "attention soft-capped as cap * tanh(score), the division by the cap inside tanh left out",
+        "the soft-cap is `layer.logit_cap * tanh(score / layer.logit_cap)`: is the score divided by the cap?",
+        _capped(scaling=lambda f: f.scaling * f.logit_cap, cap=lambda f: f.logit_cap),
+    ),
+    Mistake(
+        "cap before the scale",
+        "attention soft-capped before the softmax scale (cap * tanh(q·k / cap) * scaling)",
+        "scale q·k by `layer.scaling` first, then cap the score: cap * tanh(scaling * q·k / cap)",
+        _capped(scaling=lambda f: f.scaling, cap=lambda f: f.scaling * f.logit_cap),
+    ),
+    Mistake(
         "sinks ignored",
         "attention without the sinks",
         "is the `sinks=` tensor added to each head's softmax denominator?",
@@ -306,8 +331,9 @@ def diagnose(
     matches, or ``None`` when it matches none of them.
 
     A mistake matches when the output is within ``atol`` of it, or :data:`CLOSER` times closer to it than to the
-    correct reference; of several, the closest. A stray constant factor on the output (``out * 1.01``) is named
-    when no mistake matches.
+    correct reference; of several, the closest, and every other one as close (two mistakes that give the same
+    output on this batch are both named: the batch cannot tell them apart). A stray constant factor on the output
+    (``out * 1.01``) is named when no mistake matches.
     """
     got64 = got.detach().to("cpu", torch.float64).reshape(-1, facts.num_heads, got.shape[-1])
     references = [Reference.of(request, facts) for request in requests]
@@ -344,8 +370,11 @@ def diagnose(
         consider([_misread(r, matches, ref) for r, ref in zip(requests, references, strict=True)], matches, question)
     matched = [candidate for candidate in candidates if candidate[0] <= atol or candidate[0] * CLOSER <= error]
     if matched:
-        err, matches, question = min(matched)
-        return f"the output matches {matches} (max abs error {err:.1e} against it): {question}"
+        err = min(matched)[0]
+        tied = sorted(c for c in matched if c[0] <= err * (1 + 1e-6) + 1e-12)
+        matches = " or ".join(dict.fromkeys(m for _, m, _ in tied))
+        questions = " Or: ".join(dict.fromkeys(q for _, _, q in tied))
+        return f"the output matches {matches} (max abs error {err:.1e} against it): {questions}"
     return _constant_factor(got64, correct, atol)
 
 

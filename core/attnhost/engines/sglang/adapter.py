@@ -68,7 +68,7 @@ from torch import Tensor
 from attnhost.backend import AttentionLayer, BackendCapabilities, build_backend, dtype_name
 from attnhost.engines.batch_checks import check_device_batch, check_host_lengths
 from attnhost.engines.runner_view import RunnerView
-from attnhost.engines.sglang.graphs import SEQ_LEN_FILL, DecodeGraphs
+from attnhost.engines.sglang.graphs import SEQ_LEN_FILL, DecodeGraphs, VerifyGraphs
 from attnhost.engines.sglang.model_checks import attention_layers, dropped_window, model_name, warn_once_per_runner
 from attnhost.errors import (
     BackendFailedError,
@@ -325,6 +325,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         self._batch: ForwardBatch | None = None
         self._decode: bool | None = None  # the planned batch's method (see forward); None: SGLang's own dispatch
         self._graphs: DecodeGraphs | None = None  # SGLang's decode graphs, once a graph runner asks (graphs.py)
+        self._verify_graphs: VerifyGraphs | None = None  # and its target-verify graphs, at their first capture
         self._cpu_graphs = False  # the CPU graph runner's: it plans every decode batch it runs eagerly
         if not getattr(model_runner, "use_mla_backend", False):
             self._check_model(model_runner)
@@ -721,6 +722,20 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
         if custom_mask is None:
             return None
         draft_tokens = int(spec_info.draft_token_num)
+        blocks = self._blocks(custom_mask, committed, draft_tokens)
+        topk = getattr(spec_info, "topk", None)
+        if topk == 1:
+            return None
+        if topk is not None or self.capabilities.tree_mask:
+            return blocks
+        causal = torch.ones(draft_tokens, draft_tokens, dtype=torch.bool, device=blocks.device).tril_()
+        if torch.equal(blocks.view(-1, draft_tokens, draft_tokens), causal.expand(committed.numel(), -1, -1)):
+            return None
+        return blocks
+
+    def _blocks(self, custom_mask: Tensor, committed: Tensor, draft_tokens: int) -> Tensor:
+        """SGLang's verify mask as the contract's blocks (``tree_blocks``), refused where it is no bool mask or fits
+        no layout SGLang makes (checked on the device: no read unless it fails)."""
         if custom_mask.dtype != torch.bool or custom_mask.dim() != 1:
             raise InvalidBatchError(
                 f"{self._where}: this verify batch's custom_mask is a {custom_mask.dim()}-D {custom_mask.dtype} "
@@ -737,14 +752,6 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                     f"SGLang's QLEN_ONLY nor its FULL_MASK layout for {committed.numel()} requests of {draft_tokens} "
                     f"draft tokens (draft_token_num); nothing was read or written — {ENGINE_BUG}"
                 ) from None
-        topk = getattr(spec_info, "topk", None)
-        if topk == 1:
-            return None
-        if topk is not None or self.capabilities.tree_mask:
-            return blocks
-        causal = torch.ones(draft_tokens, draft_tokens, dtype=torch.bool, device=blocks.device).tril_()
-        if torch.equal(blocks.view(-1, draft_tokens, draft_tokens), causal.expand(committed.numel(), -1, -1)):
-            return None
         return blocks
 
     def plan_draft_step(
@@ -992,9 +999,9 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             "graph capture (it declares no cuda_graph capability)", "run SGLang with --disable-cuda-graph"
         )
 
-    def _init_graphs(self, max_bs: int, cpu: bool) -> None:
-        """Allocate the decode graphs' buffers once, for the largest captured batch, and let the backend allocate
-        its own (``AttentionBackend.init_graph_state``)."""
+    def start_graphs(self, max_bs: int, max_num_tokens: int) -> None:
+        """Refuse graphs this adapter cannot capture, at start-up, and let the backend allocate the buffers its
+        graph steps refresh in place (``AttentionBackend.init_graph_state``)."""
         if not self.capabilities.cuda_graph:
             raise self.graph_refusal()
         if self.window_backend is not None:
@@ -1002,18 +1009,24 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                 "graph capture over SGLang's hybrid window pool (its window slots are translated per batch)",
                 "run SGLang with --disable-cuda-graph or --disable-hybrid-swa-memory",
             )
-        self._graphs = DecodeGraphs(self._kv, max_bs, self._table_shape, self.device)
-        self._cpu_graphs = cpu
         try:
-            self.attnhost_backend.init_graph_state(max_bs, max_bs, self._table_shape[1])
+            self.attnhost_backend.init_graph_state(max_bs, max_num_tokens, self._table_shape[1])
         except (Exception, SystemExit) as exc:
             raise self.failure("init_graph_state", ForwardMode.DECODE, None, exc) from exc
 
+    def _init_graphs(self, max_bs: int, max_num_tokens: int, cpu: bool) -> None:
+        """Allocate the graphs' buffers once, for the largest captured batch: the decode graphs' now, a verify
+        graph's at its first capture (its draft-token count comes with the batch)."""
+        self.start_graphs(max_bs, max(max_bs, max_num_tokens))
+        self._graphs = DecodeGraphs(self._kv, max_bs, self._table_shape, self.device)
+        self._verify_graphs = None
+        self._cpu_graphs = cpu
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._init_graphs(max_bs, cpu=False)
+        self._init_graphs(max_bs, max_num_tokens, cpu=False)
 
     def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        self._init_graphs(max_bs, cpu=True)
+        self._init_graphs(max_bs, max_num_tokens, cpu=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         if not self.capabilities.cuda_graph:
@@ -1025,7 +1038,8 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """The host part of a graph step, before capture and before every replay: SGLang's batch (or its replay
         view) into the graph's buffers, checked, and the backend's plan of the same batch object, in place. The
-        graph itself then holds only the layers' forward (``init_forward_metadata_in_graph`` has nothing left)."""
+        graph itself then holds only the layers' forward (``init_forward_metadata_in_graph`` has nothing left).
+        Decode and target-verify graphs (``DecodeCudaGraphRunner`` captures one or the other)."""
         graphs = self._graphs
         if graphs is None:
             raise (
@@ -1034,10 +1048,10 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                 else RuntimeError(f"{self._where}: a graph step before SGLang called init_cuda_graph_state")
             )
         mode = forward_batch.forward_mode
-        if not mode.is_decode():
+        if not (mode.is_decode() or mode.is_target_verify()):
             raise self.refusal(
-                f"{mode.name} graphs (only decode graphs run through this adapter; target-verify and draft-decode "
-                "steps run eagerly)",
+                f"{mode.name} graphs (decode and target-verify graphs run through this adapter, draft-decode ones "
+                "through its multi-step container)",
                 "run SGLang with --disable-cuda-graph",
             )
         if not graphs.covers(forward_batch.batch_size):
@@ -1046,8 +1060,52 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
                 f"declared in init_cuda_graph_state; {ENGINE_BUG}"
             )
         self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
-        self._kv._table = None
-        self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
+        if mode.is_decode():
+            self._kv._table = None
+            self._plan(forward_batch, graphs.refresh(self._where, forward_batch, self._num_slots, ENGINE_BUG))
+            return
+        verify = self._verify_graphs
+        if verify is None:
+            if not in_capture:
+                raise RuntimeError(f"{self._where}: a target-verify graph replayed before its capture; {ENGINE_BUG}")
+            verify = self._verify_graphs = self._new_verify_graphs(forward_batch.spec_info, graphs.max_bs)
+        self._kv._table = verify.rows.table_of(forward_batch.batch_size)  # what the batch's rows name
+        batch = verify.refresh(
+            self._where,
+            forward_batch,
+            lambda mask, committed: self._blocks(mask, committed, verify.draft_tokens),
+            self._num_slots,
+            ENGINE_BUG,
+            in_capture,
+        )
+        self._plan(forward_batch, batch)
+
+    def _new_verify_graphs(self, spec_info: Any, max_bs: int) -> VerifyGraphs:
+        """The verify graphs' buffers for the verify input SGLang captures with: its draft-token count, and a tree
+        mask where its steps may carry a tree (an EAGLE tree, or a verify input without ``topk`` whose mask only
+        a read could tell a chain: a graph cannot read it, so it hands the backend the mask whatever it holds)."""
+        draft_tokens = int(getattr(spec_info, "draft_token_num", 0) or 0)
+        if draft_tokens < 1:
+            raise self.refusal("a target-verify batch without draft_token_num (not an EAGLE verify input)")
+        topk = getattr(spec_info, "topk", None)
+        tree = getattr(spec_info, "custom_mask", None) is not None and topk != 1
+        if tree and not self.capabilities.tree_mask:
+            raise self.refusal(
+                "speculative tree verify (this batch's custom_mask is a tree; it declares no tree_mask capability)"
+                if topk is not None
+                else f"target-verify graphs over {type(spec_info).__name__}'s custom masks (a graph cannot read a "
+                "mask to tell a chain; it declares no tree_mask capability)",
+                "run chains (--speculative-eagle-topk 1), SGLang with --disable-cuda-graph, or a backend that "
+                "declares tree_mask",
+            )
+        req_to_token = self._kv._req_to_token_pool.req_to_token
+        return VerifyGraphs(self._kv, req_to_token, max_bs, draft_tokens, tree, self.device)
+
+    def plan_graph_step(self, forward_batch: Any, batch: ForwardBatch) -> None:
+        """Draft decode step of a captured round (``multistep``): the step's graph batch over the round's table
+        (which the container set as this adapter's slot table)."""
+        self._kv._physical = bool(getattr(forward_batch, "out_cache_loc_is_physical", False))
+        self._plan(forward_batch, batch)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Nothing: every device tensor the layers read was refreshed in place out of the graph."""

@@ -1,6 +1,6 @@
 """Registers attnhost's backends in SGLang's registries and hooks SGLang where attnhost must decide.
 
-Three SGLang mechanisms, all SGLang's own, no patch to its source:
+SGLang's own mechanisms, no patch to its source:
 
 * ``ATTENTION_BACKENDS`` (name → ``factory(model_runner)``) and the two
   choice lists, extended in place, so ``--attention-backend`` and
@@ -10,7 +10,9 @@ Three SGLang mechanisms, all SGLang's own, no patch to its source:
   ``register_resolution_hook``): it re-syncs the registries with attnhost's
   (names added in-process since the plugins loaded), switches CUDA graphs
   off for an adapter without graph support exactly as SGLang does for its
-  own ``torch_native``, and freezes attnhost's registry, so a late
+  own ``torch_native`` (and SGLang's prefill graphs always, its decode-phase
+  graphs for a speculative algorithm whose graph runners attnhost does not
+  drive), and freezes attnhost's registry, so a late
   ``attnhost.add_*_attention_backend_choices`` raises instead of being
   silently ignored.
 * An AROUND hook (``HookRegistry``) on SGLang's draft resolver: when SGLang
@@ -223,6 +225,13 @@ def _install_hooks() -> None:
     install_agreement_check()
 
 
+_CAPTURED_ALGORITHMS = frozenset({"NONE", "EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM"})
+"""The speculative algorithms whose decode-phase graphs the adapter captures (NEXTN is SGLang's alias of EAGLE):
+the target's decode or verify graph (``DecodeCudaGraphRunner``) and EAGLE's draft-decode graph
+(``EAGLEDraftCudaGraphRunner``, the multi-step container). Others (DFLASH's draft, frozen-KV MTP) bring graph
+runners of their own, which attnhost does not drive."""
+
+
 def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) -> None:
     """SGLang's attention step, with attnhost's registrations current and graphs off where unsupported."""
     install()  # pick up in-process registrations made after the plugins loaded
@@ -244,22 +253,27 @@ def _attention_compatibility(server_args: Any, previous: Callable[[Any], None]) 
     }
     ours = sorted(name for name in names if isinstance(name, str) and _capabilities(name) is not None)
     no_graph = [name for name in ours if not _capabilities(name).cuda_graph]  # type: ignore[union-attr]
-    speculative = str(getattr(view, "speculative_algorithm", None) or "NONE").upper() not in ("NONE", "")
+    algorithm = str(getattr(view, "speculative_algorithm", None) or "NONE").upper()
+    uncaptured = algorithm not in _CAPTURED_ALGORITHMS
     if no_graph:
         logger.warning(
             "CUDA graph is disabled because attnhost backend(s) %s declare no CUDA-graph support", ", ".join(no_graph)
         )
-    elif ours and speculative:
+    elif ours and uncaptured:
         logger.warning(
-            "CUDA graph is disabled for attnhost backend(s) %s in speculative decoding: attnhost captures plain "
-            "decode graphs only (docs/graphs.md)",
+            "CUDA graph is disabled for attnhost backend(s) %s in %s speculative decoding: attnhost captures the "
+            "graphs of plain decoding and of %s (docs/graphs.md)",
             ", ".join(ours),
+            algorithm,
+            ", ".join(sorted(_CAPTURED_ALGORITHMS - {"NONE", "NEXTN"})),
         )
-    elif ours:  # decode graphs through the adapter; SGLang's prefill graphs are not attnhost's
-        logger.info("Prefill CUDA graphs are disabled for attnhost backend(s) %s (decode graphs only)", ", ".join(ours))
+    elif ours:  # decode, verify and draft-decode graphs through the adapter; SGLang's prefill graphs are not ours
+        logger.info(
+            "Prefill CUDA graphs are disabled for attnhost backend(s) %s (decode-phase graphs only)", ", ".join(ours)
+        )
     if not ours:
         return
-    phases = (Phase.PREFILL,) if not no_graph and not speculative else (Phase.DECODE, Phase.PREFILL)
+    phases = (Phase.PREFILL,) if not no_graph and not uncaptured else (Phase.DECODE, Phase.PREFILL)
     for phase in phases:
         config = resolving_view(server_args).cuda_graph_config
         declare_resolution(

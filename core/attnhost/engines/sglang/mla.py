@@ -130,17 +130,22 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         if q.dim() != 3 and not self.capabilities.flat_heads:
             q = q.view(tokens, mla_layer.num_heads, -1)
         backend = self.attnhost_backend
-        if mla_layer.mla_form is MLAForm.MHA:
-            if save_kv_cache or k is None or v is None:
-                raise RuntimeError(
-                    f"{self._where}: SGLang called MLA layer {layer.layer_id}'s MHA form with "
-                    f"save_kv_cache={save_kv_cache} and k/v {'missing' if k is None or v is None else 'given'}; "
-                    "the MHA form takes decompressed k/v and leaves the latent cache to the model"
-                )
-            out: Tensor = backend.forward_mla_mha(q, k, v, mla_layer, batch)
-        else:
-            q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
-            out = backend.forward_mla_mqa(q, k, v, mla_layer, batch, save_kv_cache, q_rope, k_rope)
+        mha = mla_layer.mla_form is MLAForm.MHA
+        if mha and (save_kv_cache or k is None or v is None):
+            raise RuntimeError(
+                f"{self._where}: SGLang called MLA layer {layer.layer_id}'s MHA form with "
+                f"save_kv_cache={save_kv_cache} and k/v {'missing' if k is None or v is None else 'given'}; "
+                "the MHA form takes decompressed k/v and leaves the latent cache to the model"
+            )
+        try:  # a plugin's exception gets the one line naming it, as on the dense path
+            if mha:
+                out: Tensor = backend.forward_mla_mha(q, k, v, mla_layer, batch)
+            else:
+                q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
+                out = backend.forward_mla_mqa(q, k, v, mla_layer, batch, save_kv_cache, q_rope, k_rope)
+        except (Exception, SystemExit) as exc:
+            method = "forward_mla_mha" if mha else "forward_mla_mqa"
+            raise self.failure(method, batch.forward_mode, layer.layer_id, exc) from exc
         return out if out.dim() == 2 else out.reshape(tokens, -1)
 
 

@@ -473,10 +473,10 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
             prefix_lens_cpu=prefix_cpu,
             extend_seq_lens_cpu=tuple(query_lens),
             host_lengths_exact=not graph,
+            # the batch's page_table is vLLM's own block table: the numbers ForwardBatch would rebuild from
+            # req_to_token, without the rebuild; slot = block * block_size + offset in both
+            pages=pages,
         )
-        # the batch's page_table (ForwardBatch builds it lazily from req_to_token) is vLLM's own block table: the
-        # same numbers, without the rebuild; slot = block * block_size + offset in both
-        vars(batch)["page_table"] = pages
         self._plan(batch)
         if graph:  # the impl writes every row, a padded one (slot -1) nowhere, with no read (set_kv_skipping_padding)
             return AttnhostVLLMMetadata(batch, kv, self.attnhost_backend, num_tokens, None, m.causal is True, True)

@@ -146,6 +146,6 @@ class UniformBatches(Generic[Cache]):
             prefix_lens_cpu=(bound - q,) * n,
             extend_seq_lens_cpu=(q,) * n,
             host_lengths_exact=False,
+            pages=buffers.pages[:n],  # vLLM's block table, as the ordinary batches carry it
         )
-        vars(batch)["page_table"] = buffers.pages[:n]  # vLLM's block table, as the ordinary batches carry it
         return batch, kv

@@ -193,7 +193,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
         if any(prefix_cpu[split:]):  # a prefill over cached latent rows: only the absorbed form reads them
             split = num_reqs
         slots = self._req_to_token(self._page_table(m.block_table_tensor, num_reqs, seq_cpu))
-        kv = VLLMLatentCache(self.device, self.dtype, slots, self.views)
+        kv = VLLMLatentCache(self.device, self.dtype, slots, self.views, self.block_size)
         rows = self._request_rows(num_reqs)
         extend_lens = m.query_start_loc[1 : num_reqs + 1] - m.query_start_loc[:num_reqs]
 
@@ -213,7 +213,10 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
                 extend_seq_lens_cpu=lens,
                 host_lengths_exact=exact,
             )
-            backend.init_forward_metadata(batch)
+            try:
+                backend.init_forward_metadata(batch)
+            except (Exception, SystemExit) as exc:
+                raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
             return _Form(batch, backend, kv)
 
         block_table = m.block_table_tensor
@@ -365,7 +368,11 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         q_nope, q_rope = q if isinstance(q, tuple) else (q, None)
         self._check_tokens(q_nope, form, "forward_mqa")
         self._bind(form.kv, kv_c_and_k_pe_cache)
-        out = form.backend.forward_mla_mqa(q_nope, None, None, self.absorbed_layer, form.batch, False, q_rope, None)
+        layer_id = self.absorbed_layer.layer_id
+        try:
+            out = form.backend.forward_mla_mqa(q_nope, None, None, self.absorbed_layer, form.batch, False, q_rope, None)
+        except (Exception, SystemExit) as exc:
+            raise self.identity.failed("forward_mla_mqa", form.batch, layer_id, exc) from exc
         return out if out.is_contiguous() else out.contiguous(), None
 
     def forward_mha(
@@ -391,7 +398,10 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         k = q.new_empty((n, heads, self.qk_head_dim))
         k[..., :nope] = kv_nope[..., :nope]
         k[..., nope:] = k_pe  # one rotary key per token, shared by every head
-        out = form.backend.forward_mla_mha(q, k, kv_nope[..., nope:], self.mha_layer, form.batch)
+        try:
+            out = form.backend.forward_mla_mha(q, k, kv_nope[..., nope:], self.mha_layer, form.batch)
+        except (Exception, SystemExit) as exc:
+            raise self.identity.failed("forward_mla_mha", form.batch, self.mha_layer.layer_id, exc) from exc
         output.view(n, heads, v_dim).copy_(out.view(n, heads, v_dim))
 
     def _form(self, form: _Form | None, method: str) -> _Form:
