@@ -69,6 +69,30 @@ def test_forward_decode_defaults_to_forward_extend() -> None:
     assert backend.calls == ["EXTEND", "EXTEND", "DECODE", "DECODE"]
 
 
+class OwnRouter(TorchNativeAttnBackend):
+    """Overrides the contract's router: vLLM and the kit would call it, SGLang would not."""
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def,misc,override]
+        return super().forward(*args, **kwargs) * 2
+
+
+class _RouterPlugin:
+    @attnhost.hookimpl
+    def attnhost_attention_backends(self) -> list[BackendSpec]:
+        return [BackendSpec(name="own_router", factory=OwnRouter, description="overrides forward")]
+
+
+def test_a_backend_that_overrides_the_router_is_refused_when_it_is_built() -> None:
+    """SGLang calls ``forward_extend`` / ``forward_decode`` by name, vLLM and the kit call ``forward``: an
+    override would pass the kit and run in vLLM, and be skipped in SGLang. One rule everywhere: refused."""
+    attnhost.register_plugin(_RouterPlugin(), name="router-plugin")
+    with pytest.raises(attnhost.BackendUnavailableError) as caught:
+        ModelRunner(ServerArgs(attention_backend="own_router"), num_layers=1, num_kv_heads=2, head_dim=16)
+    message = str(caught.value)
+    assert "'own_router'" in message and "overrides AttentionBackend.forward" in message, message
+    assert "implement forward_extend, forward_decode (and the MLA methods) instead" in message, message
+
+
 # -- speculative trees through the runner -------------------------------------------------
 
 # token 0 is the root; tokens 1 and 2 are its two candidates (topk 2); token 3 continues token 1

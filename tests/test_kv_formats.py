@@ -147,6 +147,47 @@ def test_pages_are_filled_in_order_and_the_page_table_is_built_once_per_batch() 
     assert pool.available_slots == pool.num_slots - 16 * 6
 
 
+def _branches(pool: KVPool, parent: int, prefix: int, count: int) -> list[int]:
+    """Draft branches as the kit makes them: request rows that copy the parent's prefix slots."""
+    rows = []
+    for _ in range(count):
+        row = pool.alloc_request()
+        pool.req_to_token[row, :prefix] = pool.req_to_token[parent, :prefix]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["one-batch", "parent-first"])
+def test_branches_sharing_a_partly_filled_page_each_get_their_own_slots(together: bool) -> None:
+    """Three branches and the parent's next token all got slot 6 of the parent's second page (page size 4), so
+    each branch attended to the others' K/V; the first to extend the page fills it, the others copy it."""
+    pool = KVPool(1, 64, 2, 16, max_requests=8, max_context_len=16, page_size=4)
+    layer = AttentionLayer(0, 4, 2, 16)
+    backend = TorchNativeAttnBackend()
+    parent = pool.alloc_request()
+    prefill = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(parent, 0, 6)])
+    backend.init_forward_metadata(prefill)
+    backend.forward(torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16), layer, prefill)
+    requests = [parent, *_branches(pool, parent, 6, 3)]
+    batches = (
+        [ForwardBatch.prepare(pool, ForwardMode.DECODE, [(r, 6, 1) for r in requests])]
+        if together
+        else [ForwardBatch.prepare(pool, ForwardMode.DECODE, [(r, 6, 1)]) for r in requests]
+    )
+    for batch in batches:
+        backend.init_forward_metadata(batch)
+        n = batch.batch_size
+        q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+        out = backend.forward(q, k, v, layer, batch)
+        torch.testing.assert_close(out.double(), reference_attention(q, layer, batch), atol=1e-5, rtol=1e-5)
+    written = [int(pool.req_to_token[r, 6]) for r in requests]
+    assert len(set(written)) == 4, f"new tokens share slots: {written}"
+    for r in requests:  # every row keeps page alignment and reads the parent's prefix K/V
+        slots = pool.req_to_token[r, :7]
+        assert torch.equal(slots % 4, torch.arange(7) % 4), slots.tolist()
+        assert torch.equal(pool.k_buffer(0)[slots[:6]], pool.k_buffer(0)[pool.req_to_token[parent, :6]])
+
+
 def test_a_paged_allocation_that_does_not_fit_takes_nothing() -> None:
     runner = ModelRunner(ServerArgs(attention_backend="torch_native", page_size=64), num_slots=200)
     assert runner.kv_pool.num_slots == 192  # whole pages only
@@ -311,6 +352,45 @@ def test_the_kit_names_a_backend_that_reads_pages_wrongly(request: pytest.Fixtur
     assert message.startswith("paged cache (page size 16): "), message
     assert "(a page number used as a slot number)" in message, message
     assert "multiply the page number by kv_pool.page_size" in message, message
+
+
+class Pages16(TorchNativeAttnBackend):
+    """torch_native's kernels, declaring pages of 16 only: correct, and an engine runs it on pages of 16 only."""
+
+    capabilities = dataclasses.replace(TorchNativeAttnBackend.capabilities, page_sizes=(16,))
+
+
+class _Pages16Plugin:
+    @attnhost.hookimpl
+    def attnhost_attention_backends(self) -> list[BackendSpec]:
+        return [BackendSpec(name="pages16", factory=Pages16, description="pages of 16 only")]
+
+
+PAGED_KIT_CASES = (
+    "test_extend_without_prefix",
+    "test_extend_with_cached_prefix",
+    "test_decode",
+    "test_batch_of_requests_with_different_lengths",
+    "test_target_verify_tree",
+    "test_kv_lands_in_the_right_cache_slots",
+    "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
+    "test_idle_batch_gives_an_empty_output",
+    "test_variant_window_and_sinks",
+    "test_mla_extend",
+    "test_mla_idle_batch",
+)
+
+
+@pytest.mark.parametrize("case", PAGED_KIT_CASES)
+def test_the_kit_runs_a_backend_that_declares_only_pages_of_16_on_pages_of_16(
+    case: str, request: pytest.FixtureRequest
+) -> None:
+    """Every case built its runner at page size 1, which the runner refuses for such a backend: a correct
+    backend failed 39 cases. Each now runs at a page size the backend declares."""
+    attnhost.register_plugin(_Pages16Plugin(), name="pages16-plugin")
+    kit = _kit("pages16", request)
+    assert kit._runner().kv_pool.page_size == 16
+    getattr(kit, case)()
 
 
 def test_the_kit_names_a_write_that_does_not_divide_by_the_scale(

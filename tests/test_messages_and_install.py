@@ -157,3 +157,41 @@ def test_an_unknown_name_mentions_the_plugins_that_failed_before_a_near_name(tmp
     # Without a failed plugin, the near name alone, as before.
     clean = run_cli("list", "acme")
     assert clean.stderr == "attnhost: error: unknown attention backend 'acme'; did you mean 'ascend'?\n"
+
+
+PAGED_PLUGIN = (
+    "import attnhost\n\n@attnhost.hookimpl\ndef attnhost_attention_backends():\n"
+    "    return [attnhost.BackendSpec(name='acme_paged', factory='acme_paged_k:AcmePaged', requires=('torch',),\n"
+    "                                 description='pages of 16, bf16, graphs'),\n"
+    "            attnhost.BackendSpec(name='acme_typo', factory='acme_paged_k:AcmePagd', description='a typo')]\n"
+)
+PAGED_KERNEL = '''
+from attnhost import BackendCapabilities
+from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+
+class AcmePaged(TorchNativeAttnBackend):
+    """acme's paged kernel (test plugin)."""
+
+    capabilities = BackendCapabilities(dtypes=("bfloat16",), head_dims=(64, 128), page_sizes=(16,), cuda_graph=True)
+'''
+
+
+@pytest.mark.torch
+def test_list_name_shows_every_capability_the_backend_declares(tmp_path: Path) -> None:
+    """Before, the only way to see them was which kit tests skipped."""
+    pytest.importorskip("torch")
+    make_plugin(tmp_path, "acme-paged", "1.0", "acme", "acme_paged_p", PAGED_PLUGIN)
+    (tmp_path / "acme_paged_k.py").write_text(PAGED_KERNEL)
+    shown = run_cli("list", "acme_paged", "--wide", path_entries=[tmp_path], env={"ATTNHOST_PLATFORM": "cpu"})
+    assert shown.returncode == 0, shown.stderr
+    facts = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in shown.stdout.splitlines() if "  " in line)
+    assert facts["dtypes"] == "bfloat16" and facts["head dims"] == "64, 128" and facts["page sizes"] == "16"
+    assert facts["cache dtypes"] == "its dtypes (no FP8)" and facts["declares"] == "graphs"
+    assert facts["not declared"] == "trees, MLA, windows, soft-caps, sinks, non-causal, flat heads"
+    data = json.loads(run_cli("list", "acme_paged", "--json", path_entries=[tmp_path]).stdout)["backend"]
+    assert data["capabilities"]["page_sizes"] == [16] and data["capabilities"]["cuda_graph"] is True
+    assert data["capabilities"]["head_dims"] == [64, 128] and data["capabilities_unread"] is None
+    typo = json.loads(run_cli("list", "acme_typo", "--json", path_entries=[tmp_path]).stdout)["backend"]
+    assert typo["capabilities"] is None and typo["capabilities_unread"].startswith("could not be read: "), typo
+    assert "AcmePagd" in typo["capabilities_unread"], typo

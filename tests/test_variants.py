@@ -654,7 +654,7 @@ def test_kit_reports_a_backend_that_declares_variants_and_ignores_them(
     results = variant_kit["TestIgnoresVariants"]
     assert _failed(results) == set(VARIANT_TESTS)
     for name, case in (
-        ("test_variant_logit_cap", "logit soft-cap (float32), logit_cap=2 and 5: prefill: max abs error"),
+        ("test_variant_logit_cap", "logit soft-cap (float32), logit_cap=3 and 5: prefill: max abs error"),
         ("test_variant_sinks", "attention sinks (float32), has_sinks=True: prefill: max abs error"),
         ("test_variant_non_causal", "non-causal (float32), is_causal=False: prefill: max abs error"),
         ("test_variant_window_and_sinks", "window and sinks (float32), sliding_window_size=6, has_sinks=True: "),

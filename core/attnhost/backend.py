@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, final
 
 from attnhost.errors import (
     BackendUnavailableError,
@@ -411,6 +411,7 @@ class AttentionBackend(abc.ABC):
         first ``kv_lora_rank`` columns, redundant; returns ``[T, heads, kv_lora_rank]``."""
         raise UnsupportedFeatureError(_no_mla(self))
 
+    @final
     def forward(
         self,
         q: Tensor,
@@ -425,7 +426,11 @@ class AttentionBackend(abc.ABC):
         sinks: Tensor | None = None,
     ) -> Tensor:
         """Route by the layer's MLA form, then by mode: IDLE, DECODE, everything else (extend); ``sinks`` goes on
-        to the mode's method only when given (a backend without ``capabilities.sinks`` never takes it)."""
+        to the mode's method only when given (a backend without ``capabilities.sinks`` never takes it).
+
+        Final: SGLang calls ``forward_extend`` and ``forward_decode`` by name, vLLM and the kit call this router,
+        so an override would run in some engines and not in others; a backend that overrides it is refused when it
+        is built (:func:`build_backend`)."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
@@ -485,6 +490,13 @@ def build_backend(
         raise BackendUnavailableError(
             f"{where}: its factory returned {type(backend).__name__} {safe_repr(backend)}, not an "
             f"attnhost.AttentionBackend; report this to the maintainers of {owner}"
+        )
+    if type(backend).forward is not AttentionBackend.forward:
+        raise BackendUnavailableError(
+            f"{where}: its class {type(backend).__qualname__} overrides AttentionBackend.forward, the contract's "
+            "router, which SGLang bypasses (it calls forward_extend and forward_decode by name), so the override "
+            "would run in vLLM and not in SGLang; implement forward_extend, forward_decode (and the MLA methods) "
+            f"instead — report this to the maintainers of {owner}"
         )
     key = id(backend)
     with _handed_out_lock:

@@ -81,6 +81,59 @@ def _fallback_on(name: str) -> list[str]:
     return [f"{platform} ({source})" for platform, (answer, source) in answers.items() if answer == name]
 
 
+def _declared_capabilities(entry: BackendEntry, row: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """What the backend declares (``BackendCapabilities``, a class attribute: reading it imports the backend, so
+    only the one-backend view does), or why it was not read."""
+    if not row["implemented"]:
+        return None, "declared only: no implementation to read them from"
+    if not row["available"]:
+        return None, "not read: the backend is not available here, and reading them imports it"
+    from dataclasses import fields
+
+    from attnhost.errors import describe_exception
+
+    try:
+        from attnhost.backend import capabilities_of
+
+        declared = capabilities_of(entry.spec.load())
+    except Exception as exc:
+        return None, f"could not be read: {describe_exception(exc)}"
+    return {f.name: _plain(getattr(declared, f.name)) for f in fields(declared)}, None
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+_FLAGS_SHOWN = (
+    ("cuda_graph", "graphs"),
+    ("tree_mask", "trees"),
+    ("mla", "MLA"),
+    ("sliding_window", "windows"),
+    ("logit_cap", "soft-caps"),
+    ("sinks", "sinks"),
+    ("non_causal", "non-causal"),
+    ("flat_heads", "flat heads"),
+)
+
+
+def _capability_facts(row: dict[str, Any]) -> list[list[str]]:
+    caps = row["capabilities"]
+    if caps is None:
+        return [["capabilities", row["capabilities_unread"]]]
+    declared = [shown for flag, shown in _FLAGS_SHOWN if caps[flag]]
+    missing = [shown for flag, shown in _FLAGS_SHOWN if not caps[flag]]
+    cache = caps["kv_cache_dtypes"]
+    return [
+        ["dtypes", ", ".join(caps["dtypes"])],
+        ["head dims", ", ".join(map(str, caps["head_dims"])) or "any"],
+        ["page sizes", "any" if caps["page_sizes"] is None else ", ".join(map(str, caps["page_sizes"]))],
+        ["cache dtypes", "its dtypes (no FP8)" if cache is None else ", ".join(cache)],
+        ["declares", ", ".join(declared) or "-"],
+        ["not declared", ", ".join(missing) or "-"],
+    ]
+
+
 def _available(row: dict[str, Any]) -> str:
     return "yes" if row["available"] else f"no: {row['reason']}"
 
@@ -94,6 +147,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
     if args.name is not None:
         row = _backend_row(registry.entry(args.name), platform)  # UnknownBackendError, with "did you mean"
         row["draft_fallback_on"] = _fallback_on(row["name"]) if registry.is_draft_capable(row["name"]) else []
+        row["capabilities"], row["capabilities_unread"] = _declared_capabilities(registry.entry(args.name), row)
         return {"platform": platform, "backend": row} if args.json else fit_table(_facts(row, platform, width), width)
     rows = [_backend_row(entry, platform) for entry in registry.entries() if entry.draft or not args.draft]
     notes: list[str] = []  # what the rows cannot say; the same sentences in the text and in --json
@@ -160,6 +214,7 @@ def _facts(row: dict[str, Any], platform: str, width: int | None) -> list[list[s
         ["draft fallback", "on " + "; ".join(row["draft_fallback_on"]) if row["draft_fallback_on"] else "-"],
         *([["factory", row["factory"] or "-"]] if width is None else []),
         [f"on {platform}", _available(row)],
+        *_capability_facts(row),
     ]
 
 

@@ -115,6 +115,7 @@ class KVPool:
         self._v_store = [b.view(torch.uint8) for b in self._v] if self.is_fp8 else self._v
         self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)  # on the CPU: bookkeeping, not data
+        self._page_fill = [0] * self.num_pages  # per page, how many leading slots a token holds
         self._free_requests: dict[int, None] = dict.fromkeys(range(max_requests))  # a FIFO set
 
     def k_buffer(self, layer_id: int) -> torch.Tensor:
@@ -174,6 +175,8 @@ class KVPool:
                 "larger KVPool"
             )
         taken, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        for page in taken.tolist():
+            self._page_fill[page] = 0
         return taken.to(self.device)
 
     def alloc_slots(self, n: int) -> torch.Tensor:
@@ -187,7 +190,22 @@ class KVPool:
                 f"KV pool is full: the allocation needs {n} token slots, {self.available_slots} of "
                 f"{self.num_slots} free; free finished requests' slots or build a larger KVPool"
             )
-        return self.page_slots(self.alloc_pages(pages))[:n]
+        taken = self.alloc_pages(pages)
+        for i, page in enumerate(taken.tolist()):
+            self._page_fill[page] = min(self.page_size, n - i * self.page_size)
+        return self.page_slots(taken)[:n]
+
+    def page_fill(self, page: int) -> int:
+        """How many leading slots of ``page`` hold a token: where the next token of the page's last request goes,
+        unless another request sharing the page (a branch of the same prefix) took that slot already."""
+        return self._page_fill[page]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at slots ``src`` copied to ``dst``, as stored (FP8 bytes included): a shared partial
+        page copied on write."""
+        src, dst = src.to(self.device, torch.int64), dst.to(self.device, torch.int64)
+        for store in (*self._k_store, *self._v_store):
+            store.index_copy_(0, dst, store.index_select(0, src))
 
     def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """The slots of ``pages``, page after page, each page's in order."""
@@ -206,6 +224,8 @@ class KVPool:
         if torch.unique(pages).numel() < pages.numel() or bool(torch.isin(pages, self._free_pages).any()):
             raise ValueError("KVPool.free_slots: a slot is freed twice or was never allocated")
         self._free_pages = torch.cat([self._free_pages, pages])
+        for page in pages.tolist():
+            self._page_fill[page] = 0
 
     def alloc_request(self) -> int:
         if not self._free_requests:
@@ -440,24 +460,56 @@ class ForwardBatch:
 
 def _alloc_in_pages(kv_pool: KVPool, specs: Sequence[tuple[int, ...]]) -> torch.Tensor:
     """The new tokens' slots as SGLang's paged allocator lays them out: a request's tokens fill its last, partly
-    filled page first (the page of its token ``prefix_len - 1``), then new pages, each in order. The pages are
-    counted first and taken in one allocation, so a refusal takes nothing."""
+    filled page first (the page of its token ``prefix_len - 1``), then new pages, each in order.
+
+    A partly filled page may be shared: speculative branches copy their parent's request row, prefix slots and all,
+    so the parent and every branch would fill the same free rest of one page and overwrite each other's K/V. The
+    first to extend a page fills it in place (its fill is where its prefix ends); any other copies the page's
+    prefix slots into a page of its own and goes on there (copy on write, as the engines do). The pages are counted
+    first and taken in one allocation, so a refusal takes nothing."""
     size = kv_pool.page_size
-    needs = [-(-(prefix + extend) // size) - -(-prefix // size) for _, prefix, extend in specs]
-    pages = kv_pool.alloc_pages(sum(needs)).tolist()
     rows = kv_pool.req_to_token
-    locs: list[torch.Tensor] = []
+    fill: dict[int, int] = {}  # the fills this batch leaves, before any is recorded
+    plans = []  # (req, prefix, extend, the partly filled page or None, whether it is copied)
+    need = 0
+    for req, prefix, extend in specs:
+        offset = prefix % size
+        page = int(rows[req, prefix - 1]) // size if offset else None
+        copied = page is not None and fill.get(page, kv_pool.page_fill(page)) != offset
+        if page is not None and not copied:
+            fill[page] = min(size, offset + extend)
+        ahead = extend - (size - offset) if offset else extend  # the tokens past the partly filled page
+        need += int(copied) + max(0, -(-ahead // size))
+        plans.append((req, prefix, extend, page, copied))
+    pages = kv_pool.alloc_pages(need).tolist()
     taken = 0
-    for (req, prefix, extend), need in zip(specs, needs, strict=True):
+    locs: list[torch.Tensor] = []
+    for req, prefix, extend, page, copied in plans:
+        offset = prefix % size
         parts = []
-        partial = min(extend, -prefix % size)  # the free rest of the last page, if the prefix ends inside one
-        if partial:
-            first = int(rows[req, prefix - 1]) + 1
-            parts.append(torch.arange(first, first + partial, dtype=torch.int64))
-        mine = torch.tensor(pages[taken : taken + need], dtype=torch.int64)
-        taken += need
-        parts.append(kv_pool.page_slots(mine)[: extend - partial])
+        if page is not None:
+            if copied:  # the shared page's prefix slots into a page of this request's own
+                own = pages[taken]
+                taken += 1
+                old = torch.arange(page * size, page * size + offset, dtype=torch.int64)
+                new = torch.arange(own * size, own * size + offset, dtype=torch.int64)
+                kv_pool.copy_slots(old, new)
+                rows[req, prefix - offset : prefix] = new.to(rows.device)
+                page = own
+            partial = min(extend, size - offset)
+            parts.append(torch.arange(page * size + offset, page * size + offset + partial, dtype=torch.int64))
+            kv_pool._page_fill[page] = offset + partial
+        else:
+            partial = 0
+        count = max(0, -(-(extend - partial) // size))
+        mine = pages[taken : taken + count]
+        taken += count
+        for i, fresh in enumerate(mine):
+            kv_pool._page_fill[fresh] = min(size, extend - partial - i * size)
+        parts.append(kv_pool.page_slots(torch.tensor(mine, dtype=torch.int64))[: extend - partial])
         locs.append(torch.cat(parts))
+    if not locs:  # an IDLE batch
+        return torch.zeros(0, dtype=torch.int64, device=kv_pool.device)
     return torch.cat(locs).to(kv_pool.device)
 
 

@@ -161,10 +161,12 @@ class ConformanceHarness:
         num_kv_heads: int = 2,
         dtype: torch.dtype = torch.float32,
         kv_cache_dtype: torch.dtype | None = None,
-        page_size: int = 1,
+        page_size: int | None = None,
     ) -> ModelRunner:
         """A runner of the backend under test (``kv_cache_dtype``: the cache's, default ``dtype``; ``page_size``:
-        the cache's pages)."""
+        the cache's pages, default a page size the backend declares, token slots where it reads any)."""
+        if page_size is None:
+            page_size = self._page_size()
         self._require_available()
         role = "draft" if is_draft else "target"
         head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
@@ -203,6 +205,12 @@ class ConformanceHarness:
         """``head_dim``, unless the backend declares head dims without it: then the first it declares."""
         declared = self._capabilities().head_dims
         return self.head_dim if not declared or self.head_dim in declared else declared[0]
+
+    def _page_size(self) -> int:
+        """1 (token slots), unless the backend declares page sizes without it: then the first it declares, so a
+        backend that reads pages of 16 only runs every case on pages of 16, as an engine would run it."""
+        declared = self._capabilities().page_sizes
+        return 1 if not declared or 1 in declared else declared[0]
 
     def _require_dtype(self, dtype: torch.dtype) -> None:
         declared = self._capabilities().dtypes

@@ -81,6 +81,7 @@ class MLAConformance(ConformanceHarness):
             dtype=dtype,
             device=self.device,
             platform=self.platform,
+            page_size=self._page_size(),
         )
 
     # -- running and checking -------------------------------------------------------
