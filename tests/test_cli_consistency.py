@@ -23,7 +23,9 @@ def test_a_mistyped_command_gets_a_hint_and_every_error_one_prefix() -> None:
     assert typo.returncode == 2
     assert typo.stderr == "attnhost: error: unknown command 'lsit'; did you mean 'list'? (see `attnhost --help`)\n"
     other = run_cli("frobnicate")
-    assert other.stderr.startswith("attnhost: error: unknown command 'frobnicate'; choose from: list, plugins, resolve")
+    assert other.stderr.startswith(
+        "attnhost: error: unknown command 'frobnicate'; choose from: list, plugins, versions, resolve"
+    )
     flag = run_cli("resolve", "--bogus")
     assert flag.returncode == 2
     assert flag.stderr == "attnhost: error: unrecognized arguments: --bogus (see `attnhost resolve --help`)\n"

@@ -218,6 +218,27 @@ def _facts(row: dict[str, Any], platform: str, width: int | None) -> list[list[s
     ]
 
 
+def _cmd_versions(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
+    """torch and the engines installed here against the versions attnhost is tested with (``versions.TESTED``)."""
+    from attnhost.versions import TESTED, installed
+
+    found = [installed(distribution) for distribution in TESTED]
+    if args.json:
+        return {"versions": [f.to_json() for f in found]}
+    table = [["DISTRIBUTION", "INSTALLED", "TESTED WITH", "IN WINDOW"]]
+    for f in found:
+        window = "-" if f.in_window is None else "yes" if f.in_window else "no"
+        table.append([f.distribution, f.version or "not installed", f.tested, window])
+    lines = fit_table(table, width)
+    outside = [f"{f.distribution} {f.version}" for f in found if f.in_window is False]
+    if outside:
+        note = (
+            f"{', '.join(outside)}: outside what attnhost is tested with; it runs, but say so when you report a problem"
+        )
+        lines += ["", *wrap(note, width)]
+    return lines
+
+
 def _cmd_plugins(args: argparse.Namespace, width: int | None) -> list[str] | dict[str, Any]:
     from attnhost.host import default_host
 
@@ -333,6 +354,14 @@ _COMMANDS = (
         "every discovered plugin and its status",
         "List every plugin found in the entry-point group sglang.draft_attention_backends, its distribution, "
         "its status (loaded, failed, blocked, not-allowed, duplicate), the backends it added, and why it failed.",
+        "--json --wide",
+    ),
+    (
+        "versions",
+        _cmd_versions,
+        "torch and the engines installed here, against the versions attnhost is tested with",
+        "Show the installed versions of torch, SGLang, vLLM and vLLM's CPU build (read from their metadata, "
+        "nothing imported) next to the versions attnhost is tested with, and whether each is inside them.",
         "--json --wide",
     ),
     (

@@ -248,3 +248,21 @@ def test_the_override_opt_in_replaces_sglangs_implementation(
 )
 def test_both_engines_controls_apply(env: dict[str, str], expected: list[str]) -> None:
     assert run_probe({}, env=env)["attnhost_factories"] == expected
+
+
+def test_an_sglang_outside_the_tested_versions_gets_one_warning_when_it_loads_attnhost(tmp_path: Path) -> None:
+    """SGLang's own plugin loader runs attnhost's entry point, which says once that this SGLang (here a
+    distribution claiming 0.6.1, ahead of the real one on the path) is outside ``attnhost.versions.TESTED``;
+    the real 0.5.23 says nothing (the other probes)."""
+    make_dist(tmp_path, "sglang", "0.6.1")
+    report = run_probe({"server_args": []}, path_entries=[tmp_path])
+    warnings = [m for m in _messages(report, "WARNING") if "outside the versions attnhost is tested with" in m]
+    assert warnings == [
+        "SGLang 0.6.1 (distribution sglang) is outside the versions attnhost is tested with (sglang "
+        ">=0.5.22,<=0.5.23); attnhost runs, but if a backend misbehaves, say which versions in the report "
+        "(`attnhost versions` lists them)"
+    ], warnings
+
+
+def test_the_installed_sglang_is_inside_the_tested_versions(plain: dict[str, Any]) -> None:
+    assert not [m for m in _messages(plain, "WARNING") if "outside the versions attnhost is tested with" in m]

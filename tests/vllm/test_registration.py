@@ -162,3 +162,23 @@ def test_attnhost_plugins_allow_list_applies(scenarios: dict[str, dict[str, Any]
 def test_vllm_plugins_allow_list_applies(scenarios: dict[str, dict[str, Any]]) -> None:
     result = scenarios["vllm_plugins"]
     assert result["registered"] == [] and result["attnhost_imported"] is False
+
+
+def test_a_vllm_outside_the_tested_versions_gets_one_warning_when_it_loads_attnhost(tmp_path: Path) -> None:
+    """vLLM's plugin loader runs attnhost's entry point, which says once that this vLLM (here a distribution
+    claiming 0.40.0, ahead of the real one on the path) is outside ``attnhost.versions.TESTED``."""
+    make_dist(tmp_path, "vllm", "0.40.0")
+    code = (
+        "import logging, sys; logging.basicConfig(stream=sys.stdout, format='%(name)s %(levelname)s %(message)s')\n"
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env([tmp_path]), timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if "outside the versions attnhost is tested with" in line]
+    assert lines == [
+        "attnhost.versions WARNING vLLM 0.40.0 (distribution vllm) is outside the versions attnhost is tested with "
+        "(vllm ==0.33.*); attnhost runs, but if a backend misbehaves, say which versions in the report (`attnhost "
+        "versions` lists them)"
+    ], done.stdout[-3000:]

@@ -23,5 +23,8 @@ def register() -> None:
     """SGLang's general-plugin entry point: register attnhost's backends and hooks with SGLang."""
     require_engine("sglang", "SGLang")
     from attnhost.engines.sglang.bridge import install
+    from attnhost.versions import warn_if_untested
+
+    warn_if_untested("SGLang")
 
     install()

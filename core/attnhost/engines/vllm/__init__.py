@@ -26,6 +26,9 @@ def register() -> None:
     require_engine("vllm", "vLLM")
     from attnhost.engines.vllm.agreement import install_agreement_check
     from attnhost.engines.vllm.bridge import install
+    from attnhost.versions import warn_if_untested
+
+    warn_if_untested("vLLM")
 
     install()
     install_agreement_check()
