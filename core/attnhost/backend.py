@@ -118,6 +118,11 @@ class BackendCapabilities:
         dtypes, head_dims = self.dtypes, self.head_dims
         if isinstance(dtypes, str) or not dtypes or not all(isinstance(d, str) and d for d in dtypes):
             raise ValueError(f"BackendCapabilities.dtypes must be dtype names such as 'float16', got {dtypes!r}")
+        if quantized := [d for d in dtypes if d.startswith("float8")]:
+            raise ValueError(
+                f"BackendCapabilities.dtypes are the model's compute dtypes, and {', '.join(quantized)} is a cache "
+                "format: list it in kv_cache_dtypes (with the model dtypes it is read into in dtypes)"
+            )
         if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in head_dims):
             raise ValueError(f"BackendCapabilities.head_dims must be positive integers, got {head_dims!r}")
         object.__setattr__(self, "dtypes", tuple(dtypes))
@@ -216,6 +221,12 @@ def capabilities_of(factory: object) -> BackendCapabilities:
     return declared
 
 
+_MAX_FP8_SCALE = 3.4028234663852886e38 / 57344.0
+"""The largest FP8 scale whose read-back of FP8's largest value (float8_e5m2's 57344) is a finite float32."""
+_MAX_LOGIT_CAP = 65504.0
+"""float16's largest finite value: a larger soft-cap is not a number every model dtype can compute with."""
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionLayer:
     """The per-layer facts a backend needs (SGLang's ``RadixAttention`` fields); ``scaling <= 0`` means
@@ -256,6 +267,11 @@ class AttentionLayer:
                 raise ValueError(
                     f"layer {self.layer_id}: {name} must be a finite number > 0 (1.0: unscaled), got {scale!r}"
                 )
+            if scale > _MAX_FP8_SCALE:
+                raise ValueError(
+                    f"layer {self.layer_id}: {name}={scale!r} would read FP8's largest value (57344) back as more "
+                    f"than float32 holds; scales are at most {_MAX_FP8_SCALE:.3g}"
+                )
             object.__setattr__(self, name, float(scale))
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"layer {self.layer_id}: head counts and head_dim must be positive")
@@ -282,6 +298,11 @@ class AttentionLayer:
                 f"layer {self.layer_id}: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
+        scaling = self.scaling
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not math.isfinite(scaling):
+            raise ValueError(
+                f"layer {self.layer_id}: scaling must be a finite number (<= 0: 1/sqrt(head_dim)), got {scaling!r}"
+            )
         if self.scaling <= 0:
             default = self.mla.default_scaling if self.mla is not None else 1.0 / math.sqrt(self.head_dim)
             object.__setattr__(self, "scaling", default)
@@ -296,6 +317,11 @@ class AttentionLayer:
         cap = self.logit_cap
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap < 0:
             raise ValueError(f"layer {self.layer_id}: logit_cap must be a finite number >= 0 (0: none), got {cap!r}")
+        if cap > _MAX_LOGIT_CAP:
+            raise ValueError(
+                f"layer {self.layer_id}: logit_cap={cap!r} is beyond what float16 holds ({_MAX_LOGIT_CAP:g}), so "
+                "cap * tanh(score / cap) overflows; a cap that large caps nothing: use 0 for none"
+            )
         object.__setattr__(self, "logit_cap", float(cap))
         for flag in ("has_sinks", "is_causal"):
             if not isinstance(getattr(self, flag), bool):
@@ -446,6 +472,12 @@ class AttentionBackend(abc.ABC):
                 "MLA layers in the absorbed form: build the layer with AttentionLayer.for_mla())"
             )
         if sinks is not None:
+            if not getattr(type(self).capabilities, "sinks", False):
+                raise UnsupportedFeatureError(
+                    f"attention backend {self.prefill_attention_backend_str or type(self).__qualname__!r} was passed "
+                    "sinks= but does not declare BackendCapabilities.sinks; serve layers with sinks with a backend "
+                    "that declares them (e.g. torch_native)"
+                )
             if mode is ForwardMode.DECODE:
                 return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)
             return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, sinks=sinks)  # type: ignore[call-arg]

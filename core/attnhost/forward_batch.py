@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from attnhost.errors import KVPoolFullError
+from attnhost.errors import KVPoolFullError, safe_repr
 from attnhost.forward_mode import ForwardMode
 from attnhost.kv_cache import KVCache
 
@@ -142,6 +143,7 @@ class KVPool:
         if k.shape[0] != loc.shape[0] or v.shape[0] != loc.shape[0]:
             raise ValueError(f"KVPool.set_kv: {loc.shape[0]} slots but {k.shape[0]} K rows and {v.shape[0]} V rows")
         if self.is_fp8:
+            _check_scales(k_scale, v_scale)
             k = quantize_fp8(k, k_scale, self.dtype).view(torch.uint8)
             v = quantize_fp8(v, v_scale, self.dtype).view(torch.uint8)
             self._k_store[layer].index_copy_(0, loc, k)
@@ -456,6 +458,17 @@ class ForwardBatch:
             extend_seq_lens_cpu=extend,
             tree_mask=None if tree_mask is None else tree_mask.to(device=kv_pool.device),
         )
+
+
+def _check_scales(k_scale: object, v_scale: object) -> None:
+    """An FP8 write's scales: one finite number > 0 per layer (a tensor, even of one value per head, is refused:
+    the contract's scales are per layer, as both engines keep them)."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(
+                f"KVPool.set_kv: {name} must be one finite number > 0 for the layer (an FP8 cache stores "
+                f"saturate(k / {name})), got {safe_repr(scale)}; per-head scales are not part of the contract"
+            )
 
 
 def _alloc_in_pages(kv_pool: KVPool, specs: Sequence[tuple[int, ...]]) -> torch.Tensor:

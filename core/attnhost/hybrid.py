@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from attnhost.backend import AttentionBackend, AttentionLayer
+from attnhost.backend import AttentionBackend, AttentionLayer, BackendCapabilities
 from attnhost.forward_mode import per_mode
 
 if TYPE_CHECKING:
@@ -18,6 +18,9 @@ __all__ = ["HybridAttnBackend"]
 
 class HybridAttnBackend(AttentionBackend):
     """Holds a prefill and a decode backend and sends each forward to the right one."""
+
+    capabilities = BackendCapabilities(sinks=True)
+    """A container: sinks pass through it to the backend of the mode, whose own declaration decides."""
 
     def __init__(
         self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, speculative_attention_mode: str

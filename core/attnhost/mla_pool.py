@@ -39,6 +39,11 @@ class MLAKVPool(KVPool):
             device=device,
             page_size=page_size,
         )
+        if self.is_fp8:
+            raise ValueError(
+                f"MLAKVPool: a latent cache of {self.dtype} is not part of the contract (MLA caches hold the model's "
+                "dtype; engines refuse a quantized latent cache too); build it with the model's dtype"
+            )
         self.mla = mla
         self._v = [row[..., : mla.kv_lora_rank] for row in self._k]  # the separate V buffers are dropped
 

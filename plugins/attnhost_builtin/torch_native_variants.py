@@ -81,6 +81,11 @@ def check_sinks(layer: AttentionLayer, sinks: torch.Tensor | None) -> None:
             f"torch_native: layer {layer.layer_id} was called with sinks= but does not declare has_sinks=True; "
             "build the layer with has_sinks=True or call it without sinks"
         )
+    if not isinstance(sinks, torch.Tensor):
+        raise ValueError(
+            f"torch_native: layer {layer.layer_id}'s sinks are a {type(sinks).__name__}, not a torch.Tensor; pass "
+            f"its [{layer.num_heads}] sink logits as a tensor (torch.tensor(...))"
+        )
     if sinks.dim() != 1 or sinks.shape[0] != layer.num_heads:
         raise ValueError(
             f"torch_native: layer {layer.layer_id}'s sinks have shape {tuple(sinks.shape)}, expected "
