@@ -66,6 +66,32 @@ def test_the_module_table_names_where_engines_are_bridged() -> None:
     assert "attnhost.engines.sglang.bridge" in resolution and "resolver" in resolution
 
 
+def _table_names(table: str) -> set[str]:
+    """Every module a row of the module table names: ``attnhost.x``, and the short forms a row continues with
+    (```.y``` after ``attnhost.x.z``: ``attnhost.x.y``)."""
+    names = set()
+    for row in table.splitlines():
+        cell = row.split("|")[1] if row.startswith("|") else ""
+        parent = ""
+        for name in re.findall(r"`([a-z_.]+)`", cell):
+            if name.startswith("attnhost."):
+                names.add(name)
+                parent = name.rpartition(".")[0]
+            elif name.startswith(".") and parent:
+                names.add(parent + name)
+    return names
+
+
+def test_every_core_module_has_a_row_in_the_module_table() -> None:
+    """A newcomer finds each job in the file named for it: the table leads to every module there is."""
+    architecture = doc("architecture.md")
+    table = architecture[architecture.index("| module | job |") :].split("\n\n")[0]
+    named = _table_names(table)
+    modules = {_module(path) for path in CORE.rglob("*.py")} - {"attnhost"}
+    missing = sorted(m for m in modules if m not in named)
+    assert missing == [], f"docs/architecture.md's module table has no row for {missing}"
+
+
 def test_the_docs_quote_no_test_counts_and_warn_about_the_checkout_directory() -> None:
     for page, text in reader_pages().items():
         assert not re.search(r"\b\d+ passed\b|\bruns \d+ tests\b", text), f"{page}: a test count goes stale"

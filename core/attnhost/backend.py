@@ -359,9 +359,9 @@ class AttentionLayer:
 
 class AttentionBackend(abc.ABC):
     """Base class of attention backends: SGLang's ``AttentionBackend`` surface (shapes: docs/plugin-guide.md). Built as
-    ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the runner stamps its
-    two ``*_attention_backend_str`` names on the instance and dispatch reads no global (SGLang #28559). A subclass
-    implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``)."""
+    ``factory(runner)`` (a subclass is its own factory) once per model runner and never shared, so the runner stamps
+    its two ``*_attention_backend_str`` names on the instance and dispatch reads no global (docs/architecture.md). A
+    subclass implements ``init_forward_metadata`` and ``forward_extend`` (else: ``TypeError``)."""
 
     prefill_attention_backend_str: str | None = None
     decode_attention_backend_str: str | None = None
@@ -512,8 +512,9 @@ def build_backend(
     factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
 ) -> AttentionBackend:
     """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin). One
-    instance handed to two runners (a cached singleton) would make the target run the draft's backend (SGLang #28559),
-    so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included, is wrapped."""
+    instance handed to two runners (a cached singleton) would make the target run the draft's backend
+    (docs/architecture.md), so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included,
+    is wrapped."""
     try:
         backend = factory(runner)
     except (Exception, SystemExit) as exc:
@@ -536,7 +537,7 @@ def build_backend(
             raise BackendUnavailableError(
                 f"{where}: its factory returned an instance ({safe_repr(backend)}) it had already returned for "
                 "another runner; every runner needs its own, or the target runs the draft's backend "
-                f"(SGLang #28559) — report this to the maintainers of {owner}"
+                f"— report this to the maintainers of {owner}"
             )
         try:
             _handed_out[key] = backend

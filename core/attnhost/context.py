@@ -1,7 +1,7 @@
 """The forward context: which runner's backend the current forward runs on.
 
 Each runner enters its own context (a ``ContextVar``: right across threads, asyncio tasks and nesting), never
-global args (SGLang #28559); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index.
+global args (docs/architecture.md); dispatch, per layer per step, is one ``ContextVar.get`` and one tuple index.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``ModelRunner``: one model (target or draft) with its own KV cache and its own backend.
 
 A runner builds its own backend, stamps its names on it and enters its own forward context; it never writes to
-the args, a module global or another runner, so the isolation SGLang #28559 retrofitted holds by construction.
+the args, a module global or another runner, so the per-runner isolation (docs/architecture.md) holds by construction.
 """
 
 from __future__ import annotations

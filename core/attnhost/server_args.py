@@ -1,5 +1,6 @@
-"""``ServerArgs``: the immutable attention settings (SGLang #28559 was a runner writing into shared args). Building
-the first one freezes the registry: its values were checked against the choices, so the choices must not move."""
+"""``ServerArgs``: the immutable attention settings (a runner writing into shared args made the target run the
+draft's backend: docs/architecture.md). Building the first one freezes the registry: its values were checked
+against the choices, so the choices must not move."""
 
 from __future__ import annotations
 

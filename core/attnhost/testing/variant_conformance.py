@@ -65,9 +65,13 @@ class VariantConformance(ConformanceHarness):
         capabilities = self._capabilities()
         for flag in flags:
             if not getattr(capabilities, flag):
+                consequence = (
+                    "engines send it speculative chains only and refuse a tree run"
+                    if flag == "tree_mask"
+                    else "engines refuse models whose layers need it when they load them"
+                )
                 pytest.skip(
-                    f"backend {self.name!r} does not declare {flag} (capabilities.{flag} = False): engines refuse "
-                    "models whose layers need it when they load them"
+                    f"backend {self.name!r} does not declare {flag} (capabilities.{flag} = False): {consequence}"
                 )
 
     @staticmethod

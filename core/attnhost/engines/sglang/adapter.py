@@ -2,7 +2,7 @@
 
 SGLang builds one adapter per model runner through its ``ATTENTION_BACKENDS``
 registry, and each adapter builds its own attnhost backend, so the target
-and the draft never share one (SGLang #28559). Per batch, SGLang's
+and the draft never share one (docs/architecture.md). Per batch, SGLang's
 ``ForwardBatch`` becomes an attnhost :class:`~attnhost.ForwardBatch` whose
 KV cache is a thin view of SGLang's ``MHATokenToKVPool`` and
 ``ReqToTokenPool``: the buffers handed to the backend are SGLang's own
@@ -391,7 +391,7 @@ class SGLangAdapterBackend(SGLangAttentionBackend):  # type: ignore[misc]  # SGL
             f"{self._where} does not support {feature}; {way_out or 'choose another ' + self.flag}"
         )
 
-    # SGLang stamps the runner's resolved names on its backend after building it (#28559); the
+    # SGLang stamps the runner's resolved names on its backend after building it; the
     # attnhost backend inside carries the same stamps, so attnhost-side dispatch agrees with SGLang's.
     prefill_attention_backend_str = _Stamp()
     decode_attention_backend_str = _Stamp()
