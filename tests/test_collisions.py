@@ -1,7 +1,8 @@
 """Name collisions between real plugin distributions: reported naming both sides, resolved deterministically.
 
 The documented outcome (docs/collisions.md): plugins
-register in a fixed order — the built-ins first, then plugins sorted by
+register in a fixed order — the built-ins first, then the plugins ATTNHOST_PLUGINS
+lists in its order, then the rest sorted by
 entry-point name — whatever the order on ``sys.path``. The first registrant
 keeps a name; a declared-only name may be given an implementation by a later
 plugin; a second implementation of one name, or an alias equal to a taken
@@ -96,6 +97,22 @@ def test_collisions_are_reported_naming_both_plugins_and_resolved_deterministica
     assert flashinfer["aliases"] == ["fi_alias"] and flashinfer["provided_by"] == "flashinfer-python"
     dsa = backends["dsa"]
     assert dsa["plugin"] == "dsa_impl" and dsa["aliases"] == ["nsa"] and dsa["implemented"]
+
+
+def test_the_user_decides_a_collision_by_the_order_of_attnhost_plugins(sites: list[Path]) -> None:
+    """Without a choice the entry points' order decides (alpha keeps 'shared'), and the warning says how to choose;
+    ``ATTNHOST_PLUGINS=beta,alpha`` gives the name to beta, and both plugins load."""
+    default = run_cli("list", "--json", path_entries=sites)
+    line = next(line for line in default.stderr.splitlines() if "backend 'shared' is implemented by both" in line)
+    assert "list the plugins in ATTNHOST_PLUGINS in the order you prefer (the first listed keeps" in line, line
+    chosen = run_cli("list", "--json", path_entries=sites, env={"ATTNHOST_PLUGINS": "beta,alpha"})
+    assert chosen.returncode == 0, chosen.stderr
+    backends = _backends(json.loads(chosen.stdout))
+    assert backends["shared"]["plugin"] == "beta" and backends["uno"]["plugin"] == "beta"
+    line = next(line for line in chosen.stderr.splitlines() if "backend 'shared' is implemented by both" in line)
+    assert "keeping 'beta'" in line, line
+    loaded = {p["name"]: p["status"] for p in json.loads(chosen.stdout)["plugins"]}
+    assert loaded["alpha"] == loaded["beta"] == "loaded" and loaded["gamma"] == "not-allowed", loaded
 
 
 def test_alias_resolution_follows_the_winner(sites: list[Path]) -> None:

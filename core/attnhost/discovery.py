@@ -213,7 +213,8 @@ def load_entry_points(
     taken = {BUILTIN_PLUGIN: _load_one(pm, own, _info(own, builtin=True), strict=settings.strict)}
     plugins = [taken[BUILTIN_PLUGIN]]
     others = [r for r in records if (r.name, r.value) != (BUILTIN_PLUGIN, BUILTIN_MODULE)]
-    for record in sorted(others, key=lambda r: (r.name, normalize_name(r.distribution))):
+    rank = {name: i for i, name in enumerate(settings.preference)}  # ATTNHOST_PLUGINS's order first, then by name
+    for record in sorted(others, key=lambda r: (rank.get(r.name, len(rank)), r.name, normalize_name(r.distribution))):
         info = _info(record)
         if record.name in taken:
             owner = taken[record.name]

@@ -227,7 +227,8 @@ def build_registry(contributions: Sequence[Contribution | PluginInfo]) -> tuple[
                 elif spec.implemented:
                     note(
                         f"backend {spec.name!r} is implemented by both {existing.label} and {plugin.origin}; keeping "
-                        f"{existing.plugin!r}'s (registered first) — uninstall one, or choose with ATTNHOST_PLUGINS"
+                        f"{existing.plugin!r}'s (registered first) — to choose, list the plugins in ATTNHOST_PLUGINS "
+                        "in the order you prefer (the first listed keeps a shared name), or uninstall one"
                     )
                 continue  # declaring a name that already exists adds nothing
             merged, declarer = spec, None

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 PLUGINS_ENV = "ATTNHOST_PLUGINS"
 """Comma-separated allow-list of third-party plugin names (the built-ins always load). Unset: every installed
 plugin loads. Set, it is an allow-list even when it names nothing: ``ATTNHOST_PLUGINS=`` and ``ATTNHOST_PLUGINS=,``
-both load only the built-ins, as vLLM's ``VLLM_PLUGINS=`` loads no plugin."""
+both load only the built-ins, as vLLM's ``VLLM_PLUGINS=`` loads no plugin. Its order is a preference: of two plugins
+implementing one backend name, the one listed first keeps it."""
 DISABLE_AUTOLOAD_ENV = "ATTNHOST_DISABLE_PLUGIN_AUTOLOAD"  # boolean: load only the built-in plugin
 STRICT_ENV = "ATTNHOST_STRICT"  # boolean: a plugin that fails to load is an error, not a warning
 PLATFORM_ENV = "ATTNHOST_PLATFORM"  # overrides platform detection (cuda, rocm, xpu, npu, mps, cpu)
@@ -56,6 +57,9 @@ class LoadSettings(NamedTuple):
     allow: frozenset[str] | None  # None: every plugin; otherwise only these (the built-ins always load)
     autoload: bool
     strict: bool
+    preference: tuple[str, ...] = ()
+    """``ATTNHOST_PLUGINS``'s names in the order given: the plugins listed load (and register) first, in that
+    order, so of two plugins implementing one backend name the one listed first keeps it."""
 
     @classmethod
     def from_env(cls) -> LoadSettings:
@@ -93,7 +97,8 @@ def current() -> Settings:
                     logger.warning("%s", warning)
             raw = os.environ.get(PLUGINS_ENV)
             allow = None if raw is None else _names(raw)
-            load = LoadSettings(allow, not flags[DISABLE_AUTOLOAD_ENV], flags[STRICT_ENV])
+            preference = () if raw is None else tuple(dict.fromkeys(p.strip() for p in raw.split(",") if p.strip()))
+            load = LoadSettings(allow, not flags[DISABLE_AUTOLOAD_ENV], flags[STRICT_ENV], preference)
             lists = {name: _names(os.environ.get(name, "")) for name in NAME_LIST_ENV}
             platform = os.environ.get(PLATFORM_ENV, "").strip()
             _current = Settings(load, platform, MappingProxyType(flags), MappingProxyType(lists))
