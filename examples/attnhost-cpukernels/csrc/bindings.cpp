@@ -504,7 +504,7 @@ torch::Tensor attend_view(const torch::Tensor& q_in, const torch::Tensor& k, con
           total += st[dim + 1] * w;
           for (int64_t d = 0; d < dim; ++d) acc[d] += st[d] * w;
         }
-        const float inv = total > 0.f ? 1.f / total : 0.f;
+        const float inv = std::isnan(total) ? total : total > 0.f ? 1.f / total : 0.f;  // NaN stays NaN
         const int64_t base = (q_first * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d) {
           const float x = acc[d] * inv;

@@ -905,6 +905,10 @@ void CPUK_UNIT(const Problem& p, const Unit& u) {
         for (int i = 1; i < W; ++i) mx = std::max(mx, vmax[i]);
         const int ri = r0 + r;
         if (mx == -std::numeric_limits<float>::infinity()) {
+          // no finite visible score: a row that sees no key stays "no key" (zeros), one whose visible scores are
+          // NaN (a NaN key) becomes NaN, as the reference's softmax does (the contract's rule)
+          for (int64_t j = 0; j < n; ++j)
+            if (std::isnan(sr[j])) sc.l[ri] = std::numeric_limits<float>::quiet_NaN();
           for (int j = 0; j < KB; ++j) sr[j] = 0.f;
           continue;
         }

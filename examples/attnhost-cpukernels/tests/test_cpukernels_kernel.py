@@ -227,6 +227,42 @@ def test_a_query_that_sees_no_key_gets_zeros_whatever_the_masked_slots_hold(thre
     assert torch.equal(out, torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("long_prefix", [False, True], ids=["one-piece", "split-context"])
+def test_a_row_whose_only_visible_key_is_nan_is_nan_as_in_torch_native_and_the_reference(
+    threads: int, long_prefix: bool
+) -> None:
+    """The contract's one rule: a row that sees no key is zeros; a row that sees a NaN key is NaN (it gave zeros
+    here, NaN in torch_native and the reference). Over a long prefix the context is split in pieces and merged."""
+    from attnhost.testing.reference import reference_attention
+    from attnhost_builtin.torch_native import TorchNativeAttnBackend
+
+    gen = torch.Generator().manual_seed(31)
+    layer = AttentionLayer(0, 8, 2, 64)
+    pool = _pool(2, 64, torch.float32, False)
+    prefix = 1500 if long_prefix else 0
+    # row 2 sees only its own key, the NaN one, in the third lane of the kernel's block (a NaN in the first lane
+    # reached the output anyway); over a long prefix the NaN key is one of many a split context's pieces read
+    tree = _blocks([[0], [0, 1], [2]]) if not long_prefix else torch.tensor([True])
+    batch = _batch(pool, ForwardMode.TARGET_VERIFY, [(0, prefix, 3 if not long_prefix else 1)], gen, tree)
+    nan_key = batch.out_cache_loc[2:3] if not long_prefix else pool.req_to_token[0, 700:701]
+    pool.k_buffer(0)[nan_key] = float("nan")
+    q = torch.randn(batch.num_new_tokens, 8, 64, generator=gen)
+    outs = []
+    for backend in (CpuPagedAttnBackend(), TorchNativeAttnBackend()):
+        backend.init_forward_metadata(batch)
+        outs.append(backend.forward(q, q[:, :2], q[:, :2], layer, batch, save_kv_cache=False))
+    reference = reference_attention(q, layer, batch)
+    nan_rows = reference.isnan().flatten(1).all(1)
+    assert bool(nan_rows[-1]), "the reference's last row sees a NaN key: NaN"
+    rows = outs[0].isnan().flatten(1).any(1).tolist()
+    assert torch.equal(outs[0].isnan(), reference.isnan()), f"cpu_paged: NaN rows {rows}, reference's {nan_rows}"
+    # torch_native agrees on every row that sees the NaN key (its masks are additive, so a NaN key another tree
+    # branch does not see reaches that branch too, as docs/variants.md says)
+    assert bool(outs[1][nan_rows].isnan().all()), "torch_native: a row that sees a NaN key is not NaN"
+    if not long_prefix:
+        torch.testing.assert_close(outs[0].double(), reference, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("sees_itself", [False, True])
 def test_a_tree_row_over_a_split_context(threads: int, sees_itself: bool) -> None:
     """One new token over a long prefix (with two threads its context is split and merged): its one-cell tree
