@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import importlib_metadata
-
 __all__ = ["ENGINES", "TESTED", "Installed", "installed", "warn_if_untested"]
 
 TESTED: dict[str, str] = {
@@ -63,6 +61,8 @@ class Installed:
 
 def installed(distribution: str) -> Installed:
     """``distribution``'s installed version against its tested window (metadata only: nothing imported)."""
+    import importlib_metadata
+
     try:
         version: str | None = importlib_metadata.version(distribution)
     except importlib_metadata.PackageNotFoundError:
@@ -72,7 +72,15 @@ def installed(distribution: str) -> Installed:
 
 def warn_if_untested(engine: str) -> Installed | None:
     """One warning line when the installed distribution of ``engine`` (a key of :data:`ENGINES`) is outside the
-    versions attnhost is tested with; the distribution found, or ``None`` where none is installed."""
+    versions attnhost is tested with; the distribution found, or ``None`` where none is installed (or where
+    attnhost's own dependencies are missing: registering reports that, once, and this says nothing more)."""
+    try:
+        return _warn_if_untested(engine)
+    except ImportError:
+        return None
+
+
+def _warn_if_untested(engine: str) -> Installed | None:
     for distribution in ENGINES[engine]:
         found = installed(distribution)
         if found.version is None:
