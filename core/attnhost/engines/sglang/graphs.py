@@ -142,6 +142,31 @@ class _TableRows:
             table = self.tables[rows] = self.table[:rows]
         return table
 
+    def check(
+        self,
+        where: str,
+        committed: torch.Tensor,
+        slots: torch.Tensor,
+        requests: torch.Tensor,
+        num_slots: int,
+        way_out: str,
+    ) -> None:
+        """A round's committed lengths (within the table, ``new`` columns left), write slots (padding on slot 0) and
+        request rows, on the device (``check_device_batch``: no read unless it fails)."""
+        check_device_batch(
+            where,
+            seq_lens=committed,
+            out_cache_loc=slots,
+            req_pool_indices=requests,
+            host_seq_lens=(self.width - self.new,) * committed.numel(),
+            host_lengths_exact=False,
+            extend_lens=(0,) * committed.numel(),
+            num_slots=num_slots,
+            num_rows=self.req_to_token.shape[0],
+            way_out=way_out,
+            padding_slot=0,
+        )
+
     def fill_table(self, rows: int) -> None:
         """Each row's prefix slots, then its new tokens' slots at ``committed + j``: a gather and a scatter."""
         torch.index_select(self.req_to_token, 0, self.requests[:rows], out=self.table[:rows])
@@ -193,19 +218,7 @@ class VerifyGraphs:
         flat[: live * n].copy_(loc)
         flat[live * n : bs * n].zero_()
         torch.add(rows.committed[:bs], n, out=self.seq_lens[:bs])
-        check_device_batch(
-            where,
-            seq_lens=rows.committed[:bs],
-            out_cache_loc=flat[: bs * n],
-            req_pool_indices=rows.requests[:bs],
-            host_seq_lens=(rows.width - n,) * bs,
-            host_lengths_exact=False,
-            extend_lens=(0,) * bs,
-            num_slots=num_slots,
-            num_rows=rows.req_to_token.shape[0],
-            way_out=way_out,
-            padding_slot=0,
-        )
+        rows.check(where, rows.committed[:bs], flat[: bs * n], rows.requests[:bs], num_slots, way_out)
         rows.fill_table(bs)
         if self.tree_mask is not None:
             cells = n * n
@@ -282,19 +295,7 @@ class DraftGraphs:
             )
         per_row = loc.view(count, -1)[:, :steps]  # a planned wider window leads with ours
         committed, requests = forward_batch.seq_lens[:bs], forward_batch.req_pool_indices[:bs]
-        check_device_batch(
-            where,
-            seq_lens=committed,
-            out_cache_loc=per_row.reshape(-1),
-            req_pool_indices=requests,
-            host_seq_lens=(rows.width - steps,) * bs,
-            host_lengths_exact=False,
-            extend_lens=(0,) * bs,
-            num_slots=num_slots,
-            num_rows=rows.req_to_token.shape[0],
-            way_out=way_out,
-            padding_slot=0,
-        )
+        rows.check(where, committed, per_row.reshape(-1), requests, num_slots, way_out)
         rows.committed[:count].view(bs, topk).copy_(committed.view(bs, 1).expand(bs, topk))
         rows.requests[:count].view(bs, topk).copy_(requests.view(bs, 1).expand(bs, topk))
         rows.slots[:count].copy_(per_row)
