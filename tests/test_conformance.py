@@ -376,6 +376,7 @@ KIT_TESTS = (
     "test_mla_flat_heads",
     "test_mla_mha_form",
     "test_mla_idle_batch",
+    "test_mla_production_shape",
     # attention variants (attnhost.testing.variant_conformance): skipped unless the backend declares them
     "test_variant_sliding_window",
     "test_variant_sliding_window_at_the_edge",
@@ -396,6 +397,10 @@ KIT_TESTS = (
     # graphs (attnhost.testing.graph_conformance): skipped unless the backend declares cuda_graph
     "test_graph_replays_read_nothing_on_the_host",
     "test_graph_step_compiles_whole_and_keeps_its_storage",
+    # production shapes (attnhost.testing.shape_conformance): every backend, at the sizes served models have
+    "test_production_shapes[gqa-32-8-d128]",
+    "test_production_shapes[gqa-32-4-d64]",
+    "test_production_shapes[gqa-16-8-d256]",
 )
 FLOAT32_NUMERICS = {
     "test_extend_without_prefix",
@@ -411,6 +416,9 @@ FLOAT32_NUMERICS = {
     "test_declared_capabilities_are_valid_and_hold",
     "test_save_kv_cache_false_neither_writes_nor_uses_k_v",
     "test_paged_cache[page16]",
+    "test_production_shapes[gqa-32-8-d128]",
+    "test_production_shapes[gqa-32-4-d64]",
+    "test_production_shapes[gqa-16-8-d256]",
 }
 
 
@@ -556,8 +564,10 @@ def test_kit_catches_a_backend_that_declares_trees_but_ignores_the_mask(
     correct = outcomes(kit_results, "TestCorrect")["test_target_verify_tree"]
     assert correct.status == "skipped" and "does not declare tree_mask" in correct.message, correct.message
     liar = outcomes(kit_results, "TestTreeLiar")
-    # chains, draft-extend and branch rows are causal: right; a query that should see no key sees itself
-    assert failed(liar) == {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros"}
+    # chains, draft-extend and branch rows are causal: right; a query that should see no key sees itself; the
+    # production shapes verify deep trees
+    production = {name for name in KIT_TESTS if name.startswith("test_production_shapes[")}
+    assert failed(liar) == {"test_target_verify_tree", "test_a_query_that_sees_no_key_gets_zeros", *production}
     blind = liar["test_a_query_that_sees_no_key_gets_zeros"].message
     assert re.match(
         r"a query that sees no key \(float32\): backend 'tree_liar' gives values up to \S+ instead of zeros for "

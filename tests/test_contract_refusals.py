@@ -83,3 +83,22 @@ def test_a_quantized_latent_cache_is_refused_when_built() -> None:
 def test_an_fp8_format_listed_as_a_model_dtype_is_refused_with_where_it_belongs() -> None:
     with pytest.raises(ValueError, match=r"float8_e4m3fn is a cache format: list it in kv_cache_dtypes"):
         BackendCapabilities(dtypes=("bfloat16", "float8_e4m3fn"))
+
+
+def test_a_pool_lays_its_cache_out_as_engines_do_and_refuses_other_table_dtypes() -> None:
+    """SGLang's int32 table and a cache allocated in one piece (strided K/V views) are layouts the kit runs."""
+    pool = KVPool(2, 16, 2, 8, max_requests=2, max_context_len=8, table_dtype=torch.int32, fused_kv=True)
+    assert pool.req_to_token.dtype == torch.int32
+    assert not pool.k_buffer(1).is_contiguous() and pool.k_buffer(1).stride(0) == 2 * 2 * 8
+    loc = torch.tensor([3, 9])
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    pool.set_kv(1, loc, k, v)
+    assert torch.equal(pool.k_buffer(1)[loc], k) and torch.equal(pool.v_buffer(1)[loc], v)
+    assert not pool.k_buffer(0).any() and not pool.v_buffer(1)[[0, 1, 2]].any()
+    with pytest.raises(ValueError, match=r"KVPool: table_dtype must be torch.int32 or torch.int64, got torch.int16"):
+        KVPool(1, 16, 2, 8, max_requests=2, max_context_len=8, table_dtype=torch.int16)
+    from attnhost import ModelRunner, ServerArgs
+
+    mla = MLAConfig(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    with pytest.raises(ValueError, match=r"fused_kv lays out separate K and V buffers; an MLA cache has one latent"):
+        ModelRunner(ServerArgs(attention_backend="torch_native"), mla=mla, fused_kv=True)

@@ -24,9 +24,11 @@ _PUBLIC: dict[str, str] = {
     "platform": "current_platform",
     "resolution": "DraftResolution Resolution TargetResolution resolve resolve_attention_backends "
     "resolve_draft_attention_backend",
-    "backend": "AttentionBackend AttentionLayer AttentionRunner BackendCapabilities KVCache",
+    "backend": "AttentionBackend AttentionLayer AttentionRunner BackendCapabilities KVCache FLOAT_DTYPES "
+    "FP8_KV_DTYPES VARIANT_FEATURES",
+    "mla": "MLAConfig MLAForm",
     "forward_mode": "ForwardMode",
-    "forward_batch": "ForwardBatch KVPool",
+    "forward_batch": "ForwardBatch KVPool FP8_DTYPES quantize_fp8",
     "hybrid": "HybridAttnBackend",
     "runner": "ModelRunner",
     "context": "dispatch_attention_backend get_attn_backend",
@@ -61,7 +63,16 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests/test_public_api.py checks it
     from attnhost.availability import Availability, check_availability
-    from attnhost.backend import AttentionBackend, AttentionLayer, AttentionRunner, BackendCapabilities, KVCache
+    from attnhost.backend import (
+        FLOAT_DTYPES,
+        FP8_KV_DTYPES,
+        VARIANT_FEATURES,
+        AttentionBackend,
+        AttentionLayer,
+        AttentionRunner,
+        BackendCapabilities,
+        KVCache,
+    )
     from attnhost.choices import (
         ATTENTION_BACKEND_CHOICES,
         DRAFT_ATTENTION_BACKEND_CHOICES,
@@ -86,11 +97,12 @@ if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests
         UnknownBackendError,
         UnsupportedFeatureError,
     )
-    from attnhost.forward_batch import ForwardBatch, KVPool
+    from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, KVPool, quantize_fp8
     from attnhost.forward_mode import ForwardMode
     from attnhost.hooks import hookimpl
     from attnhost.host import get_plugin_manager, get_registry, register_plugin
     from attnhost.hybrid import HybridAttnBackend
+    from attnhost.mla import MLAConfig, MLAForm
     from attnhost.platform import current_platform
     from attnhost.registry import BackendEntry, Registry
     from attnhost.resolution import (

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from attnhost.forward_batch import ForwardBatch
 
 __all__ = [
+    "FLOAT_DTYPES",
     "FP8_KV_DTYPES",
     "VARIANT_FEATURES",
     "AttentionBackend",

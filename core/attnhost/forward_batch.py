@@ -21,7 +21,7 @@ from attnhost.errors import KVPoolFullError, safe_repr
 from attnhost.forward_mode import ForwardMode
 from attnhost.kv_cache import KVCache
 
-__all__ = ["ForwardBatch", "KVPool"]
+__all__ = ["FP8_DTYPES", "ForwardBatch", "KVPool", "quantize_fp8"]
 
 
 def check_size(owner: str, name: str, value: object) -> None:
@@ -77,7 +77,11 @@ class KVPool:
 
     With ``page_size > 1`` slots come in pages, as in SGLang's paged allocator: ``num_slots`` rounds down to whole
     pages, slot ``s`` is offset ``s % page_size`` of page ``s // page_size``, and :meth:`ForwardBatch.prepare`
-    fills a request's pages in order. ``dtype`` may be FP8 (:data:`FP8_DTYPES`): ``set_kv`` then quantises."""
+    fills a request's pages in order. ``dtype`` may be FP8 (:data:`FP8_DTYPES`): ``set_kv`` then quantises.
+
+    ``table_dtype`` is ``req_to_token``'s: int64, or int32 as SGLang keeps it. ``fused_kv`` keeps each layer's K and V
+    in one ``[slots, 2, kv_heads, head_dim]`` buffer, as engines that allocate a layer's cache in one piece do: the
+    K and V buffers are then strided views, which the :class:`KVCache` contract allows."""
 
     def __init__(
         self,
@@ -91,6 +95,8 @@ class KVPool:
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         page_size: int = 1,
+        table_dtype: torch.dtype = torch.int64,
+        fused_kv: bool = False,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -108,13 +114,22 @@ class KVPool:
         self.dtype = resolve_kv_cache_dtype("KVPool", dtype)
         self.is_fp8 = self.dtype in FP8_DTYPES
         self.device = torch.device(device)
+        if table_dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"KVPool: table_dtype must be torch.int32 or torch.int64, got {table_dtype}")
         shape = (self.num_slots, num_kv_heads, head_dim)
-        self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        if fused_kv:
+            fused = [
+                torch.zeros((self.num_slots, 2, num_kv_heads, head_dim), dtype=self.dtype, device=self.device)
+                for _ in range(num_layers)
+            ]
+            self._k, self._v = [b[:, 0] for b in fused], [b[:, 1] for b in fused]
+        else:
+            self._k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+            self._v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
         # index_copy_ has no FP8 kernel: an FP8 cache is written through a byte view of the same memory.
         self._k_store = [b.view(torch.uint8) for b in self._k] if self.is_fp8 else self._k
         self._v_store = [b.view(torch.uint8) for b in self._v] if self.is_fp8 else self._v
-        self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=torch.int64, device=self.device)
+        self.req_to_token = torch.zeros((max_requests, max_context_len), dtype=table_dtype, device=self.device)
         self._free_pages = torch.arange(self.num_pages, dtype=torch.int64)  # on the CPU: bookkeeping, not data
         self._page_fill = [0] * self.num_pages  # per page, how many leading slots a token holds
         self._free_requests: dict[int, None] = dict.fromkeys(range(max_requests))  # a FIFO set

@@ -27,6 +27,7 @@ class MLAKVPool(KVPool):
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         page_size: int = 1,
+        table_dtype: torch.dtype = torch.int64,
     ) -> None:
         super().__init__(
             num_layers,
@@ -38,6 +39,7 @@ class MLAKVPool(KVPool):
             dtype=dtype,
             device=device,
             page_size=page_size,
+            table_dtype=table_dtype,
         )
         if self.is_fp8:
             raise ValueError(

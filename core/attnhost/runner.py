@@ -69,11 +69,17 @@ class ModelRunner:
         mla: MLAConfig | None = None,
         kv_cache_dtype: torch.dtype | str | None = None,
         page_size: int | None = None,
+        table_dtype: torch.dtype = torch.int64,
+        fused_kv: bool = False,
     ) -> None:
         """``mla``: the model uses multi-head latent attention (``num_kv_heads`` and ``head_dim`` are then
         ignored): its cache is an :class:`~attnhost.mla_pool.MLAKVPool`, ``layers`` are the absorbed form and
         ``mha_layers`` the MHA form of the same layers, and a backend that does not declare ``mla`` is refused
         here.
+
+        ``table_dtype`` (``req_to_token``'s, int32 as SGLang keeps it) and ``fused_kv`` (a layer's K and V in one
+        buffer, so strided views) lay the cache out as engines do (:class:`~attnhost.forward_batch.KVPool`); an MLA
+        cache has no separate V to fuse.
 
         ``kv_cache_dtype`` (a torch dtype, its name or an ``--kv-cache-dtype`` value; default:
         ``args.kv_cache_dtype``; ``auto``: ``dtype``) and ``page_size`` (default: ``args.page_size``) shape the
@@ -110,6 +116,10 @@ class ModelRunner:
                 f"{self.role} runner: an MLA model with an FP8 KV cache ({dtype_name(self.kv_cache_dtype)}): the "
                 "contract's FP8 cache (docs/kv-cache.md) is per-head K/V; use --kv-cache-dtype auto"
             )
+        if mla is not None and fused_kv:
+            raise ValueError(
+                "ModelRunner: fused_kv lays out separate K and V buffers; an MLA cache has one latent buffer"
+            )
         self.kv_pool: KVPool
         if mla is None:
             self.layers = tuple(AttentionLayer(i, num_heads, num_kv_heads, head_dim) for i in range(num_layers))
@@ -124,6 +134,8 @@ class ModelRunner:
                 dtype=self.kv_cache_dtype,
                 device=self.device,
                 page_size=self.page_size,
+                table_dtype=table_dtype,
+                fused_kv=fused_kv,
             )
         else:
             self.layers = tuple(AttentionLayer.for_mla(mla, MLAForm.ABSORBED, i, num_heads) for i in range(num_layers))
@@ -137,6 +149,7 @@ class ModelRunner:
                 dtype=self.kv_cache_dtype,
                 device=self.device,
                 page_size=self.page_size,
+                table_dtype=table_dtype,
             )
         self.resolution: resolution.TargetResolution | resolution.DraftResolution
         if is_draft:

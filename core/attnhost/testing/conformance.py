@@ -35,7 +35,8 @@ decode over branch rows that share their request's prefix slots) run in every
 float dtype the backend declares; the tree cases, among them a query that sees
 no key and must get zeros, only for a backend that declares
 ``capabilities.tree_mask``. The MLA cases (:mod:`attnhost.testing.mla_conformance`)
-run for a backend that declares ``capabilities.mla``.
+run for a backend that declares ``capabilities.mla``. The production-shape cases
+(:mod:`attnhost.testing.shape_conformance`) run the kit's checks at the sizes served models have.
 
 A factory whose import or build is still running after
 ``attnhost.discovery.SLOW_IMPORT_WARNING_S`` (the threshold of ``attnhost
@@ -81,6 +82,7 @@ from attnhost.testing.graph_conformance import GraphConformance
 from attnhost.testing.harness import LayerRun, Request, fail, same_bits, stored
 from attnhost.testing.mla_conformance import MLAConformance
 from attnhost.testing.reference import tree_mask
+from attnhost.testing.shape_conformance import ShapeConformance
 from attnhost.testing.variant_conformance import VariantConformance
 
 __all__ = ["BackendConformance", "ConformanceWarning"]
@@ -126,7 +128,7 @@ print(json.dumps({
 """
 
 
-class BackendConformance(MLAConformance, VariantConformance, CacheConformance, GraphConformance):
+class BackendConformance(MLAConformance, VariantConformance, ShapeConformance, CacheConformance, GraphConformance):
     """Subclass with ``backend_name = "<your backend>"``; pytest then runs the whole suite against it."""
 
     # -- the spec -----------------------------------------------------------------------

@@ -96,6 +96,9 @@ class ConformanceHarness:
     _pytest_config: pytest.Config
     _flat_queries = False  # test_flat_heads_layout: queries as [T, heads * head_dim]
     _saturating = 0.0  # the FP8 cases: > 0 puts K/V entries of this magnitude, beyond the cache's range, in every batch
+    _fused_qkv = False  # the production shapes: q, k and v are views of one projection's output, as engines split it
+    _query_scale = 1.0  # the production shapes: queries scaled up to scores of the size trained models reach
+    _diagnose = True  # name the usual mistake behind a wrong output (the production shapes leave it to the small cases)
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -162,14 +165,23 @@ class ConformanceHarness:
         dtype: torch.dtype = torch.float32,
         kv_cache_dtype: torch.dtype | None = None,
         page_size: int | None = None,
+        head_dim: int | None = None,
+        num_layers: int = 2,
+        max_requests: int = 8,
+        max_context_len: int = 256,
+        num_slots: int = 1024,
+        table_dtype: torch.dtype = torch.int64,
+        fused_kv: bool = False,
     ) -> ModelRunner:
         """A runner of the backend under test (``kv_cache_dtype``: the cache's, default ``dtype``; ``page_size``:
-        the cache's pages, default a page size the backend declares, token slots where it reads any)."""
+        the cache's pages, default a page size the backend declares, token slots where it reads any; ``head_dim``:
+        default the kit's, unless the backend declares head dims without it; the rest: :class:`ModelRunner`'s)."""
         if page_size is None:
             page_size = self._page_size()
         self._require_available()
         role = "draft" if is_draft else "target"
-        head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
+        if head_dim is None:
+            head_dim = self._head_dim()  # loads the factory: outside the build's watch, which names a slow build
         doing = (
             f"building backend {self.name!r} ({self.entry.label}) for a {role} runner: its factory "
             f"{self._factory_text()} has not returned"
@@ -179,18 +191,20 @@ class ConformanceHarness:
                 return ModelRunner(
                     args if args is not None else self._args(),
                     is_draft=is_draft,
-                    num_layers=2,
+                    num_layers=num_layers,
                     num_heads=num_heads,
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
-                    max_requests=8,
-                    max_context_len=256,
-                    num_slots=1024,
+                    max_requests=max_requests,
+                    max_context_len=max_context_len,
+                    num_slots=num_slots,
                     dtype=dtype,
                     device=self.device,
                     platform=self.platform,
                     kv_cache_dtype=kv_cache_dtype,
                     page_size=page_size,
+                    table_dtype=table_dtype,
+                    fused_kv=fused_kv,
                 )
         except Exception as exc:
             raise AssertionError(f"{role} runner construction: ModelRunner raised {type(exc).__name__}: {exc}") from exc
@@ -288,9 +302,7 @@ class ConformanceHarness:
     ) -> LayerRun:
         pool = runner.kv_pool
         n = batch.num_new_tokens
-        q = self._randn(n, layer.num_heads, layer.head_dim, dtype=runner.dtype)
-        k = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
-        v = self._randn(n, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype)
+        q, k, v = self._new_qkv(n, layer, runner.dtype)
         if self._saturating:  # every 3rd token, every 5th entry: both signs, beyond finfo.max * scale
             sign = torch.where(self._randn(n, 1, 1, dtype=runner.dtype) > 0, 1.0, -1.0).to(runner.dtype)
             k[::3, :, ::5] = (sign[::3] * self._saturating).expand_as(k[::3, :, ::5])
@@ -310,6 +322,25 @@ class ConformanceHarness:
         if check:
             self._check_output(what, run, batch)
         return run
+
+    def _new_qkv(
+        self, n: int, layer: AttentionLayer, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random ``q``, ``k``, ``v`` for ``n`` new tokens: three tensors, or (``_fused_qkv``) strided views of one
+        ``[n, (heads + 2 * kv_heads) * head_dim]`` projection output, which is what engines pass."""
+        heads, kv_heads, dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        if not self._fused_qkv:
+            q = self._randn(n, heads, dim, dtype=dtype)
+            if self._query_scale != 1.0:
+                q = q * self._query_scale
+            return q, self._randn(n, kv_heads, dim, dtype=dtype), self._randn(n, kv_heads, dim, dtype=dtype)
+        qkv = self._randn(n, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        q_width, kv_width = heads * dim, kv_heads * dim
+        qkv[:, :q_width] *= self._query_scale
+        q = qkv[:, :q_width].view(n, heads, dim)
+        k = qkv[:, q_width : q_width + kv_width].view(n, kv_heads, dim)
+        v = qkv[:, q_width + kv_width :].view(n, kv_heads, dim)
+        return q, k, v
 
     @staticmethod
     def _from_flat(out: torch.Tensor, layer: AttentionLayer, tokens: int, what: str) -> torch.Tensor:
@@ -400,7 +431,11 @@ class ConformanceHarness:
             index = int(diff.flatten().argmax())
             k_read = run.expected_k if k_buffer is None else k_buffer
             v_read = run.expected_v if v_buffer is None else v_buffer
-            why = diagnose_batch(out, q, layer, batch, atol, k_buffer=k_read, v_buffer=v_read, sinks=run.sinks)
+            why = (
+                diagnose_batch(out, q, layer, batch, atol, k_buffer=k_read, v_buffer=v_read, sinks=run.sinks)
+                if self._diagnose
+                else None
+            )
             where = self._where(index, layer, batch, q.dtype)
             return f"max abs error {error:.1e} exceeds {atol:.0e} ({where})" + (f"; {why}" if why else "")
         return None

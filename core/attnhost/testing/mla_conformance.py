@@ -18,6 +18,7 @@ exceeds 1e-05 (8 heads, layer 0, request 1, token 0 of 1, head 3)``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -38,7 +39,32 @@ from attnhost.testing.reference import tree_mask
 if TYPE_CHECKING:
     pass
 
-__all__ = ["MLAConformance"]
+__all__ = ["MLA_PRODUCTION_SHAPE", "MLAConformance", "MLAProductionShape"]
+
+_CHAIN = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAProductionShape:
+    """A served MLA model's attention at its real sizes, and the requests the production case runs (as
+    :class:`attnhost.testing.cases.ProductionShape`: cached contexts written by the kit, then new tokens)."""
+
+    model: str
+    config: MLAConfig
+    num_heads: int
+    num_layers: int
+    contexts: tuple[int, ...]
+    extend: tuple[int, ...]
+
+
+MLA_PRODUCTION_SHAPE = MLAProductionShape(
+    model="DeepSeek V3 on 8 ranks",
+    config=MLAConfig(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128),
+    num_heads=16,
+    num_layers=3,
+    contexts=(1800, 1, 95, 0, 400, 33, 250, 7, 0, 64, 600, 12),
+    extend=(2, 40, 130, 9, 0, 1, 0, 5, 70, 0, 3, 17),
+)
 
 
 class MLAConformance(ConformanceHarness):
@@ -67,21 +93,34 @@ class MLAConformance(ConformanceHarness):
             for config in self.mla_configs
         ]
 
-    def _mla_runner(self, config: MLAConfig, dtype: torch.dtype, *, is_draft: bool = False) -> ModelRunner:
+    def _mla_runner(
+        self,
+        config: MLAConfig,
+        dtype: torch.dtype,
+        *,
+        is_draft: bool = False,
+        num_heads: int | None = None,
+        num_layers: int = 2,
+        max_requests: int = 12,
+        max_context_len: int = 256,
+        num_slots: int = 2048,
+        table_dtype: torch.dtype = torch.int64,
+    ) -> ModelRunner:
         self._require_available()
         return ModelRunner(
             self._args(),
             is_draft=is_draft,
-            num_layers=2,
-            num_heads=self.mla_num_heads,
+            num_layers=num_layers,
+            num_heads=self.mla_num_heads if num_heads is None else num_heads,
             mla=config,
-            max_requests=12,
-            max_context_len=256,
-            num_slots=2048,
+            max_requests=max_requests,
+            max_context_len=max_context_len,
+            num_slots=num_slots,
             dtype=dtype,
             device=self.device,
             platform=self.platform,
             page_size=self._page_size(),
+            table_dtype=table_dtype,
         )
 
     # -- running and checking -------------------------------------------------------
@@ -280,6 +319,55 @@ class MLAConformance(ConformanceHarness):
             for step in range(2):
                 rows = [(row, prefix_len + step, 1) for row, prefix_len in branches]
                 self._mla_step(runner, ForwardMode.DECODE, rows, f"MLA draft decode over branch rows ({label}), {step}")
+
+    def test_mla_production_shape(self) -> None:
+        """DeepSeek V3's attention at its served sizes (:data:`MLA_PRODUCTION_SHAPE`): a latent of 512 + 64, 16 heads
+        (128 over 8 ranks), three layers, an int32 table, contexts of thousands; an extend of a dozen requests, a
+        decode of every request and a target-verify of every other one (a tree seven deep where ``tree_mask`` is
+        declared), in the absorbed form, in the backend's first declared float dtype."""
+        self._require_mla()
+        shape = MLA_PRODUCTION_SHAPE
+        dtype = self._declared_float_dtypes()[0]
+        page = self._page_size()
+        tree = SPECULATIVE_TREES["topk2-10-deep7"] if self._capabilities().tree_mask else None
+        verify_len = _CHAIN if tree is None else len(tree)
+        longest = max(c + e for c, e in zip(shape.contexts, shape.extend, strict=True))
+        slots = sum(shape.contexts) + sum(shape.extend) + len(shape.contexts) * (2 + verify_len + 2 * page)
+        runner = self._mla_runner(
+            shape.config,
+            dtype,
+            num_heads=shape.num_heads,
+            num_layers=shape.num_layers,
+            max_requests=len(shape.contexts),
+            max_context_len=longest + 1 + verify_len + page,
+            num_slots=-(-slots // page) * page,
+            table_dtype=torch.int32,
+        )
+        label = f"MLA production shape ({shape.model}; {dtype_name(dtype)})"
+        pool = runner.kv_pool
+        requests = [runner.new_request() for _ in shape.contexts]
+        for i, (request, context) in enumerate(zip(requests, shape.contexts, strict=True)):
+            if context:
+                pages = pool.alloc_pages(-(-context // page))
+                held = pool.page_slots(pages.flip(0) if i % 3 == 2 else pages)[:context]
+                pool.req_to_token[request, :context] = held
+                for layer in runner.layers:
+                    rows = self._randn(context, 1, layer.head_dim, dtype=pool.dtype)
+                    pool.set_kv(layer.layer_id, held, rows, rows[..., : layer.v_head_dim])
+        pairs = zip(requests, shape.contexts, shape.extend, strict=True)
+        extend = [(request, context, new) for request, context, new in pairs if new]
+        self._mla_step(runner, ForwardMode.EXTEND, extend, f"{label}: extend of {len(extend)} requests", split=True)
+        lengths = [c + e for c, e in zip(shape.contexts, shape.extend, strict=True)]
+        decode = [(request, length, 1) for request, length in zip(requests, lengths, strict=True)]
+        self._mla_step(runner, ForwardMode.DECODE, decode, f"{label}: decode of {len(decode)} requests")
+        verify = [
+            (request, length + 1, verify_len) for request, length in zip(requests[1::2], lengths[1::2], strict=True)
+        ]
+        what = f"{label}: target-verify of {len(verify)} requests, " + (
+            f"chains of {_CHAIN}" if tree is None else "trees topk2-10-deep7"
+        )
+        mask = None if tree is None else tree_mask(*[tree] * len(verify))
+        self._mla_step(runner, ForwardMode.TARGET_VERIFY, verify, what, tree=mask)
 
     def test_mla_flat_heads(self) -> None:
         """A backend declaring ``flat_heads`` gets SGLang's ``[T, heads * latent_dim]`` MLA queries too."""

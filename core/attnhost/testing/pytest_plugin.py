@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from attnhost.testing.cases import HEAD_LAYOUTS
+from attnhost.testing.cases import CASE_IDS
 
 __all__ = ["OPTION", "SUITE_PATH"]
 
@@ -126,7 +126,7 @@ def _suite_node(arg: str, suite: str, classes: str) -> str | None:
 
 def _name_from_params(params: str) -> str:
     """The backend's part of a parametrized id: ``mine-gqa-8-2`` -> ``mine`` (the kit's own case ids removed)."""
-    for case in HEAD_LAYOUTS:
+    for case in CASE_IDS:
         if params.endswith("-" + case):
             return params[: -len(case) - 1]
         if params.startswith(case + "-"):

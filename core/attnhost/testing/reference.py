@@ -1,7 +1,7 @@
 """The trusted attention every backend is compared against.
 
-Deliberately naive: float64, an explicit loop over requests, KV heads
-repeated by hand, the causal (or speculative tree) mask written out with
+Deliberately naive: float64, an explicit loop over requests, each KV head
+read by its group of query heads, the causal (or speculative tree) mask written out with
 the layer's window from positions, the soft-cap and the sinks applied by
 their definitions (docs/variants.md), softmax by definition.  It
 shares no code path with any backend (no SDPA), so agreement means something.
@@ -116,10 +116,11 @@ def reference_request_attention(
     if tree is not None and not causal:
         raise ValueError("reference: a speculative tree over a non-causal layer has no meaning")
     group = num_heads // num_kv_heads
-    q64 = q.to(torch.float64)
-    k64 = k.to(torch.float64).repeat_interleave(group, dim=1)  # [seq, heads, dim]
-    v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q64, k64) * scaling
+    # query head h = g * group + j reads KV head g: the queries viewed as [new, kv_heads, group, dim]
+    q64 = q.to(torch.float64).reshape(num_new, num_kv_heads, group, -1)
+    k64 = k.to(torch.float64)
+    v64 = v.to(torch.float64)
+    scores = torch.einsum("qgjd,kgd->gjqk", q64, k64).reshape(num_heads, num_new, seq_len) * scaling
     if logit_cap > 0:
         scores = logit_cap * torch.tanh(scores / logit_cap)
     positions = torch.arange(seq_len)
@@ -150,7 +151,8 @@ def reference_request_attention(
     # A query that sees no key (a tree row all False, no prefix) gets zeros, as the contract says: its softmax
     # above is 0/0, so its weights are set, not computed.
     weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
-    return torch.einsum("hqk,khd->qhd", weights, v64)
+    out = torch.einsum("gjqk,kgd->qgjd", weights.view(num_kv_heads, group, num_new, seq_len), v64)
+    return out.reshape(num_new, num_heads, -1)
 
 
 def causal_mask(num_new: int, seq_len: int, prefix_len: int) -> torch.Tensor:

@@ -7,14 +7,16 @@ cannot change under them, and the per-layer checks are a few comparisons against
 batch and the layer, the largest slot against each layer's buffers): no scan of the batch per layer.
 Per layer, the Python side is one call. The kernel first writes the new tokens' K/V at ``out_cache_loc`` itself:
 the contract's ``k_buffer``/``v_buffer`` are the cache by slot, so a plain copy there is exactly ``set_kv``'s write
-(where the dtypes differ, ``set_kv`` writes them instead, converted). It then splits the work over requests x KV
+(where the dtypes differ, of the new K/V converted first as ``set_kv`` converts them), and only after every check:
+a refused call leaves the cache as it was. It then splits the work over requests x KV
 heads (and a lone long request's context) on torch's intra-op threads, and returns a fresh output in ``q``'s layout
 and dtype (``flat_heads``: SGLang's ``[T, heads * head_dim]`` in, the same out). Softmax and sums are float32
 for every dtype.
 
 An FP8 cache is read as docs/kv-cache.md specifies, each entry ``stored.to(float32) * scale`` with the layer's
-``k_scale`` / ``v_scale``, and written through ``set_kv`` with them. With pages (``kv_pool.page_size > 1``) the
-plan copies ``forward_batch.page_table`` instead, and the kernel reads each page's slots as one run.
+``k_scale`` / ``v_scale``, and written quantised with them (:func:`attnhost.quantize_fp8`). With pages
+(``kv_pool.page_size > 1``) the plan copies ``forward_batch.page_table`` instead, and the kernel reads each page's
+slots as one run.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnhost import AttentionBackend, AttentionLayer, BackendCapabilities
+from attnhost import FP8_DTYPES, AttentionBackend, AttentionLayer, BackendCapabilities, quantize_fp8
 
 try:
     import _attnhost_cpukernels as _kernel
@@ -127,17 +129,17 @@ class CpuPagedAttnBackend(AttentionBackend):
                 "call it once per batch before the layers run"
             )
         pool = forward_batch.kv_pool
-        layer_id = layer.layer_id
-        keys, values = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        keys, values = pool.k_buffer(layer.layer_id), pool.v_buffer(layer.layer_id)
         new_k = new_v = loc = None
         if save_kv_cache:
             if k.dim() != 3:  # accepted flat, as SGLang's own backends accept them
                 k = k.view(-1, layer.num_kv_heads, layer.head_dim)
                 v = v.view(-1, layer.num_kv_heads, layer.head_dim)
-            if k.dtype == keys.dtype and v.dtype == values.dtype:  # the kernel writes them (a plain copy)
-                new_k, new_v, loc = k, v, forward_batch.out_cache_loc
-            else:  # a conversion (an FP8 cache quantises with the layer's scales): the cache's own write
-                pool.set_kv(layer_id, forward_batch.out_cache_loc, k, v, k_scale=layer.k_scale, v_scale=layer.v_scale)
+            # the kernel writes them (a plain copy) after its checks; another dtype is converted first, as set_kv
+            # would store it (an FP8 cache: quantised with the layer's scales), so a refusal writes nothing either
+            new_k = _as_stored(k, keys.dtype, layer.k_scale)
+            new_v = _as_stored(v, values.dtype, layer.v_scale)
+            loc = forward_batch.out_cache_loc
         out: Tensor = _ops.attend(
             q,
             keys,
@@ -162,6 +164,13 @@ class CpuPagedAttnBackend(AttentionBackend):
 
 
 _ops = torch.ops.attnhost_cpukernels
+
+
+def _as_stored(x: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """``x`` as a cache of ``dtype`` stores it (``KVPool.set_kv``'s conversion): itself when the dtypes agree."""
+    if x.dtype == dtype:
+        return x
+    return quantize_fp8(x, scale, dtype) if dtype in FP8_DTYPES else x.to(dtype)
 
 
 @torch.library.register_fake("attnhost_cpukernels::attend")

@@ -108,7 +108,34 @@ assert pool.req_to_token.stride() == (1, 4)
 pool.req_to_token[rows[1], 7] = {value}
 run()
 """
+# New K/V of another dtype than the cache (a conversion, FP8 quantising) are written only after every check too.
+CONVERTED = """
+{setup}
+{mistake}
+before = [buffer.view(torch.uint8).clone() for buffer in (pool.k_buffer(0), pool.v_buffer(0))]
+try:
+    backend.init_forward_metadata(batch)
+    backend.forward({query}, k.to(torch.bfloat16), v.to(torch.bfloat16), layer, batch)
+finally:  # refused before the converted K/V were written
+    after = [buffer.view(torch.uint8) for buffer in (pool.k_buffer(0), pool.v_buffer(0))]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+"""
+FP8_POOL = """
+pool = KVPool(1, 64, 2, 32, max_requests=4, max_context_len=48, dtype=torch.float8_e4m3fn)
+rows = [pool.alloc_request() for _ in range(2)]
+ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(rows[0], 0, 10), (rows[1], 0, 6)])
+batch = ForwardBatch.prepare(pool, ForwardMode.EXTEND, [(rows[0], 10, 3), (rows[1], 6, 2)])
+"""
+PAST = "pool.req_to_token[rows[0], 4] = 64"
 TABLE_CASES = {
+    **{
+        f"{cache}-{kind}": (
+            CONVERTED.format(setup=setup, mistake=mistake, query=query),
+            refused(NOT_A_SLOT.format(value=64) if mistake else EXPECTED_Q + r", got \[5, 4, 32\]$"),
+        )
+        for cache, setup in (("converted-kv", ""), ("fp8-cache", FP8_POOL))
+        for kind, mistake, query in (("past-the-cache", PAST, "q"), ("bad-q", "", "q[:, :4]"))
+    },
     **{
         f"past-the-cache-{name}": (PAST_THE_CACHE.format(value=value), refused(NOT_A_SLOT.format(value=value)))
         for name, value in (("2^31-1", 2**31 - 1), ("10^12", 10**12), ("num_slots", 64), ("2^63-1", 2**63 - 1))
