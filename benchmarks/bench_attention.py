@@ -290,7 +290,7 @@ def _once(fn: Callable[[], object]) -> float:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from run import print_table
+    from _table import print_table
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--verify-only", action="store_true", help="only the speculative verify (tree vs chain)")

@@ -1,7 +1,7 @@
 """Start-up stays lean: what ``import attnhost`` and ``attnhost list`` may and may not import.
 
 ``attnhost list`` must beat a bare ``importlib.metadata`` entry-point scan
-(BENCHMARKS.md); importing torch (seconds) or a backend module would make
+(BENCHMARKS.md, "CLI cold start"); importing torch (seconds) or a backend module would make
 that impossible, and would also mean discovery runs vendor kernels' import
 side effects. These tests read the interpreter's own record of what was
 imported (``-X importtime``), so they hold without any timing assertion.

@@ -6,18 +6,36 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 from helpers import ROOT, doc, plugin_guide, reader_pages
 
 CORE = ROOT / "core" / "attnhost"
+# Where the code outside the core lives, each folder a root its modules are imported from: the built-in plugin's
+# package, each example plugin's package (its own distribution's root) and the benchmark scripts, which import
+# each other as top-level modules (``from _common import Row``).
+OUTSIDE_THE_CORE = {
+    "plugins": [ROOT / "plugins"],
+    "examples": sorted(path.parent for path in (ROOT / "examples").glob("*/pyproject.toml")),
+    "benchmarks": [ROOT / "benchmarks"],
+}
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(CORE.parent).with_suffix("").parts
+def _module(path: Path, root: Path = CORE.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _sources(root: Path) -> dict[str, Path]:
+    """Every module importable with ``root`` on ``sys.path``, by name: its top-level scripts and its packages'
+    modules (not its tests or build output, which are no package)."""
+    modules = {path.stem: path for path in root.glob("*.py")}
+    for init in root.glob("*/__init__.py"):
+        modules.update({_module(path, root): path for path in init.parent.rglob("*.py")})
+    return modules
+
+
 def _imports(path: Path, module: str) -> set[str]:
-    """Every attnhost module ``path`` imports: at module level, in functions and under TYPE_CHECKING alike."""
+    """Every module ``path`` imports: at module level, in functions and under TYPE_CHECKING alike."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -29,13 +47,12 @@ def _imports(path: Path, module: str) -> set[str]:
                 parts = package.split(".")
                 base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [base])])
             found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
-    return {name for name in found if name.startswith("attnhost.")}
+    return found
 
 
-def test_the_core_has_no_import_circle() -> None:
-    """The facade ``attnhost/__init__`` (lazy re-exports) aside, imports form no cycle, TYPE_CHECKING included."""
-    modules = {_module(path): path for path in CORE.rglob("*.py")}
-    graph = {name: _imports(path, name) & set(modules) for name, path in modules.items() if name != "attnhost"}
+def _circles(modules: dict[str, Path], facades: frozenset[str] = frozenset()) -> list[str]:
+    """Every import circle among ``modules``, each spelt once (``a -> b -> a``); a facade's imports are not followed."""
+    graph = {name: _imports(path, name) & set(modules) for name, path in modules.items() if name not in facades}
     circles = []
 
     def visit(name: str, trail: list[str]) -> None:
@@ -53,7 +70,23 @@ def test_the_core_has_no_import_circle() -> None:
     for name in sorted(graph):
         if name not in done:
             visit(name, [name])
-    assert circles == []
+    return circles
+
+
+def test_the_core_has_no_import_circle() -> None:
+    """The facade ``attnhost/__init__`` (lazy re-exports) aside, imports form no cycle, TYPE_CHECKING included."""
+    circles = _circles(_sources(CORE.parent), facades=frozenset({"attnhost"}))
+    assert circles == [], "import circles: " + "; ".join(circles)
+
+
+@pytest.mark.parametrize("where", sorted(OUTSIDE_THE_CORE))
+def test_the_plugins_examples_and_benchmarks_have_no_import_circle(where: str) -> None:
+    """What a plugin author copies and what a contributor reads next are held to the core's rule: no cycle,
+    TYPE_CHECKING included; a piece two modules share lives in a module both import."""
+    modules = {name: path for root in OUTSIDE_THE_CORE[where] for name, path in _sources(root).items()}
+    assert modules, f"{where}: no module found"
+    circles = _circles(modules)
+    assert circles == [], f"{where}: import circles: " + "; ".join(circles)
 
 
 def test_the_module_table_names_where_engines_are_bridged() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from distgen import make_dist
-from helpers import GROUP, make_plugin, plugin_guide, run_cli
+from helpers import GROUP, make_plugin, plugin_guide, run_cli, run_python
 
 ACME_HOOKS = """
 import attnhost
@@ -94,6 +94,52 @@ def test_unknown_name_of_a_plugin_that_failed_to_load_names_that_plugin(tmp_path
     assert "no module named acme_kernels" in result.stderr and result.stderr.count("\n") >= 1
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1, result.stderr
+
+
+MISSPELLED_HOOK = "import attnhost\n\n@attnhost.hookimpl\ndef attnhost_atention_backends():\n    return []\n"
+
+
+def test_an_unknown_name_blames_its_failed_plugin_everywhere_and_offers_no_near_name(tmp_path: Path) -> None:
+    """``acme`` is close to the built-in ``ascend`` in spelling only: once plugin ``acme`` failed, that is the cause."""
+    make_plugin(tmp_path, "acme-attn", "1.0", "acme", "acme_attn", MISSPELLED_HOOK)
+    code = "from attnhost import ServerArgs\ntry:\n    ServerArgs(attention_backend='acme')\n"
+    code += "except Exception as e:\n    print(e)\n"
+    resolve = run_cli("resolve", "--attention-backend", "acme", path_entries=[tmp_path])
+    errors = {
+        "list": run_cli("list", "acme", path_entries=[tmp_path]).stderr.strip().splitlines()[-1],
+        "resolve": resolve.stderr.strip().splitlines()[-1],
+        "ServerArgs": run_python(code, path_entries=[tmp_path]).stdout.strip(),
+    }
+    blamed = "unknown attention backend 'acme': plugin 'acme' (distribution acme-attn 1.0), which would likely"
+    for where, error in errors.items():
+        assert "ascend" not in error and blamed in error, (where, error)
+        assert "failed to load: implements unknown hook 'attnhost_atention_backends'" in error, (where, error)
+        assert "fix that plugin, then check `attnhost plugins`" in error, (where, error)
+
+
+def test_an_unknown_name_names_every_failed_plugin_that_may_provide_it(tmp_path: Path) -> None:
+    make_plugin(tmp_path, "acme-attn", "1.0", "acme", "acme_attn", "raise ImportError('libacme.so missing')")
+    make_plugin(tmp_path, "acme-fp8", "2.0", "acme_fp8", "acme_fp8", MISSPELLED_HOOK)
+    make_plugin(tmp_path, "vendorx-kernels", "1.0", "vendorx", "vendorx_attn", "raise ImportError('unrelated')")
+    error = run_cli("list", "acme", path_entries=[tmp_path]).stderr.strip().splitlines()[-1]
+    assert "2 plugins that would likely provide it failed to load: plugin 'acme' (distribution acme-attn" in error
+    assert "; plugin 'acme_fp8' (distribution acme-fp8 2.0) (implements unknown hook" in error, error
+    assert error.endswith("fix them, then check `attnhost plugins`") and "vendorx" not in error, error
+
+
+def test_the_related_failed_plugins_rule_matches_name_or_distribution_either_way() -> None:
+    from attnhost.discovery import PluginInfo, PluginStatus
+    from attnhost.registry import Registry
+
+    def failed(name: str, distribution: str | None) -> PluginInfo:
+        return PluginInfo(name, distribution, "1.0", name, PluginStatus.FAILED, error="boom")
+
+    acme, kernels, inproc = failed("acme", "Acme-Attn"), failed("vendorx", "acme-kernels"), failed("zed", None)
+    registry = Registry({}, {}, (), [acme, kernels, inproc])
+    assert registry.failed_plugins_for("acme") == (acme, kernels)  # the name, or the distribution, contains it
+    assert registry.failed_plugins_for("ACME_ATTN") == (acme,)  # case and -/_ ignored
+    assert registry.failed_plugins_for("zed_flash") == (inproc,)  # the unknown name contains the plugin's
+    assert registry.failed_plugins_for("ascend") == () and registry.failed_plugins_for("") == ()
 
 
 @pytest.mark.torch  # the shorthand class subclasses torch_native, whose module imports torch

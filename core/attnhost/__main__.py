@@ -1,5 +1,6 @@
 """``python -m attnhost`` and the ``attnhost`` console script: a command lives for a moment and frees nothing worth
-collecting, so it runs without the cyclic collector, and the collection at exit skips what it loaded (BENCHMARKS.md)."""
+collecting, so it runs without the cyclic collector, and the collection at exit skips what it loaded (BENCHMARKS.md,
+"What makes it fast")."""
 
 import gc
 

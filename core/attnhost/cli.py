@@ -174,7 +174,7 @@ def _cmd_list(args: argparse.Namespace, width: int | None) -> list[str] | dict[s
         else:
             cells.append(f"no [{reasons.setdefault(row['summary'] or 'unknown', len(reasons) + 1)}]")
         table.append(cells)
-    lines = fit_table(table, width, flexible=(0, 2), wrap_last=False) if rows else []  # the wide table has no notes
+    lines = fit_table(table, width, whole=(0, 2), wrap_last=False) if rows else []  # the wide table has no notes
     lines += [""] if reasons else []
     for reason, number in reasons.items():
         lines += wrap(reason, width, indent=f"[{number}] ")
@@ -257,7 +257,7 @@ def _cmd_plugins(args: argparse.Namespace, width: int | None) -> list[str] | dic
             backends = ",".join(info.backends[:2]) + f",... ({len(info.backends)})"
         dist = _distribution(info.distribution, info.version)
         table.append([info.name, dist, info.status.value, backends or "-", detail])
-    lines = fit_table(table, width, flexible=(0, 1, 3), wrap_last=False)
+    lines = fit_table(table, width, flexible=(3, 4), whole=(0, 1), wrap_last=False)
     lines += ["", *errors] if errors else []
     for info in plugins:
         for warning in info.warnings:

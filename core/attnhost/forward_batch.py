@@ -151,7 +151,7 @@ class KVPool:
     ) -> None:
         """Write the new tokens' K/V at slots ``loc`` with one ``index_copy_`` per buffer. Not ``buffer[loc] = k``
         (``index_put_``): on CPU that opens an OpenMP parallel region even for a few rows, which on shared cores waits
-        for descheduled threads (BENCHMARKS.md). Duplicate slots: one wins. An FP8 cache stores
+        for descheduled threads (BENCHMARKS.md, "What makes it fast"). Duplicate slots: one wins. An FP8 cache stores
         :func:`quantize_fp8` of them (the caller's tensors are left as they were, unlike SGLang's in-place divide);
         a float cache ignores the scales."""
         layer = self._check_layer(layer_id)

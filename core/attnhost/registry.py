@@ -100,19 +100,32 @@ class Registry(Mapping[str, BackendSpec]):
             raise UnknownBackendError(self.unknown_message(name))
         return self._entries[canonical]
 
-    def unknown_message(self, name: object) -> str:
-        """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere — or, when a
-        plugin that failed to load is named like it, that plugin's error (a near name elsewhere would mislead)."""
-        import difflib  # only for an unknown name
-
-        key, shown = str(name).lower().replace("-", "_"), bounded(repr(name))
+    def failed_plugins_for(self, name: object) -> tuple[PluginInfo, ...]:
+        """The plugins that failed to load and are named like ``name`` (their name or distribution contains it, or
+        it contains theirs, ignoring case and ``-``/``_``): the likely reason it is unknown. The one rule for every
+        message about a missing name (this registry's, the conformance kit's), so none blames a near name instead.
+        """
+        key, likely = str(name).lower().replace("-", "_"), list[PluginInfo]()
         for plugin in self._failed:
             names = {plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")}
             if key and any(other and (key in other or other in key) for other in names):
-                return (
-                    f"unknown attention backend {shown}: {plugin.origin}, which would likely provide it, failed to "
-                    f"load: {plugin.error}; fix that plugin (see `attnhost plugins`)"
-                )
+                likely.append(plugin)
+        return tuple(likely)
+
+    def unknown_message(self, name: object) -> str:
+        """``unknown attention backend 'x'; did you mean 'y'?`` — the one wording used everywhere — or, when a
+        plugin that failed to load is named like it, that plugin's error and no near name (which would mislead)."""
+        import difflib  # only for an unknown name
+
+        shown = bounded(repr(name))
+        if likely := self.failed_plugins_for(name):
+            if len(likely) == 1:
+                culprit = f"{likely[0].origin}, which would likely provide it, failed to load: {likely[0].error}"
+            else:
+                causes = "; ".join(f"{plugin.origin} ({plugin.error})" for plugin in likely)
+                culprit = f"{len(likely)} plugins that would likely provide it failed to load: {causes}"
+            them = "that plugin" if len(likely) == 1 else "them"
+            return f"unknown attention backend {shown}: {culprit}; fix {them}, then check `attnhost plugins`"
         # A plugin that failed may have been the one to give it: said before any near name, which may mislead
         failed = ""
         if self._failed:

@@ -7,7 +7,7 @@ or tree mask, the decode chunks), so an MLA batch costs no planning of its own. 
   its values as the first ``kv_lora_rank`` columns of the same gathered rows: half the bytes a separate V gather
   would move, which is what decode is bound by.
 * Every query head shares that one KV head, so the heads fold into the query axis as the dense GQA path folds
-  them (``_RequestPlan.recipe`` with a group of ``num_heads``).
+  them (``RequestPlan.recipe`` with a group of ``num_heads``).
 * The MHA form attends over its ``k``/``v`` arguments, not the cache, so it serves requests without a cached
   prefix only; a prefix is refused once per batch, on its first layer.
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from attnhost.backend import AttentionLayer
     from attnhost.forward_batch import ForwardBatch
     from attnhost.mla import MLAConfig
-    from attnhost_builtin.torch_native import _BatchPlan, _RequestPlan
+    from attnhost_builtin.plan import BatchPlan, RequestPlan
 
 __all__ = ["check_mha_batch", "forward_mha", "forward_mqa"]
 
@@ -50,7 +50,7 @@ def check_mha_batch(batch: ForwardBatch) -> None:
 
 
 def forward_mha(
-    plan: _BatchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
+    plan: BatchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
 ) -> torch.Tensor:
     """The MHA form: per request, causal (or tree) attention over its own rows of ``k``/``v``."""
     heads, qk_dim, v_dim = layer.num_heads, layer.head_dim, layer.v_head_dim
@@ -73,7 +73,7 @@ def forward_mha(
 
 
 def forward_mqa(
-    plan: _BatchPlan,
+    plan: BatchPlan,
     q: torch.Tensor,
     k: torch.Tensor | None,
     layer: AttentionLayer,
@@ -121,7 +121,7 @@ def forward_mqa(
 
 
 def _attend_request(
-    q: torch.Tensor, rows: torch.Tensor, layer: AttentionLayer, req: _RequestPlan, rank: int
+    q: torch.Tensor, rows: torch.Tensor, layer: AttentionLayer, req: RequestPlan, rank: int
 ) -> torch.Tensor:
     """One request: ``q`` ``[tokens, heads, latent]`` over its latent ``rows`` ``[seq, 1, latent]``, the values
     being the rows' first ``rank`` columns; returns ``[tokens, heads, rank]``."""
@@ -145,7 +145,7 @@ def _attend_request(
     return o[0].transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, latent: torch.Tensor, plan: _BatchPlan, layer: AttentionLayer, rank: int) -> torch.Tensor:
+def _decode(q: torch.Tensor, latent: torch.Tensor, plan: BatchPlan, layer: AttentionLayer, rank: int) -> torch.Tensor:
     """Decode in the dense path's chunks: one gather of latent rows per chunk, its values a view of them."""
     heads, width = layer.num_heads, layer.head_dim
     queries = q.view(-1, 1, heads, width)  # [requests, 1 KV head, heads, latent]: q's own memory order

@@ -2,13 +2,13 @@
 
 Plain causal layers never come here: their path (torch_native.py) is unchanged. A layer with a variant is planned
 the way plain ones are, once per batch and request, on its first layer, and reused by every layer with the same
-window, causality and head layout (``_RequestPlan.variants``):
+window, causality and head layout (``RequestPlan.variants``, plan.py):
 
 * **Which keys.** A request's queries are cut into blocks; each block reads only the key rows its queries may
   see (with a window, from the first query's position minus the window on), so a windowed layer reads the
   window and not the whole cache. Its mask follows from three numbers (rows, columns, the first query's position
   minus the first key's) and the layer's window and causality, so the blocks of a long prompt, whose masks are
-  the same band, share one tensor (``_BatchPlan.variant_masks``). A block that sees all its keys has no mask.
+  the same band, share one tensor (``BatchPlan.variant_masks``). A block that sees all its keys has no mask.
   Blocks are small enough that a block's scores stay within ``_BLOCK_ELEMENTS``: a long windowed prompt never
   materialises a ``tokens x tokens`` mask. A speculative tree is one block whose mask is built from the tree's
   positions (prefix plus depth); a query it leaves no key gets zeros.
@@ -20,39 +20,21 @@ window, causality and head layout (``_RequestPlan.variants``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from attnhost_builtin.plan import BatchPlan, Block, Recipe, RequestPlan
+
 if TYPE_CHECKING:
     from attnhost.backend import AttentionLayer
-    from attnhost_builtin.torch_native import _BatchPlan, _RequestPlan
 
 __all__ = ["Recipe", "attend", "check_sinks", "explicit_attention", "kv_as", "sink_rows", "work_dtype"]
 
 # Largest score matrix (query heads x query rows x key rows) one block computes: a long prompt is cut into
 # blocks of queries below it, so the explicit path's float32 scores and a folded mask stay tens of MB.
 _BLOCK_ELEMENTS = 1 << 24
-
-
-@dataclass(slots=True)
-class _Block:
-    """Some consecutive queries of a request and the key rows they read."""
-
-    rows: slice  # the queries, within the request
-    keys: slice  # their key rows, within the request's rows from Recipe.first_key on
-    mask_key: tuple[object, ...] | None  # the block's mask in _BatchPlan.variant_masks; None: every key is visible
-
-
-@dataclass(slots=True)
-class Recipe:
-    """How one request is attended by the layers of one variant: the key rows it reads, its query blocks."""
-
-    first_key: int  # the first key row any of its queries sees (with a window, the prefix before it is never read)
-    blocks: list[_Block]
-    blind: torch.Tensor | None  # [q_len, 1, 1], True for a query that sees no key (zeros); None: there is none
 
 
 def kv_as(rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -128,7 +110,7 @@ def explicit_attention(
 
 
 def attend(
-    plan: _BatchPlan,
+    plan: BatchPlan,
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
@@ -169,7 +151,7 @@ def attend(
     return outputs[0].contiguous() if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _key_rows(plan: _BatchPlan, req: _RequestPlan, buffer: torch.Tensor, first: int, role: int) -> torch.Tensor:
+def _key_rows(plan: BatchPlan, req: RequestPlan, buffer: torch.Tensor, first: int, role: int) -> torch.Tensor:
     """The request's cache rows from key ``first`` on: a view of a contiguous run, else a gather into scratch."""
     if req.kv_run is not None:
         return buffer[req.kv_run[0] + first : req.kv_run[1]]
@@ -179,7 +161,7 @@ def _key_rows(plan: _BatchPlan, req: _RequestPlan, buffer: torch.Tensor, first: 
     return torch.index_select(buffer, 0, req.kv_index[first:], out=None if scratch is None else scratch[:count])
 
 
-def _additive(plan: _BatchPlan, mask_key: tuple[object, ...], dtype: torch.dtype) -> torch.Tensor:
+def _additive(plan: BatchPlan, mask_key: tuple[object, ...], dtype: torch.dtype) -> torch.Tensor:
     """A block's mask as 0 / -inf in ``dtype``, for the explicit softmax; built once per batch."""
     cache_key = (*mask_key, dtype)
     additive = plan.variant_masks.get(cache_key)
@@ -190,7 +172,7 @@ def _additive(plan: _BatchPlan, mask_key: tuple[object, ...], dtype: torch.dtype
     return additive
 
 
-def _recipe(plan: _BatchPlan, req: _RequestPlan, layer: AttentionLayer) -> Recipe:
+def _recipe(plan: BatchPlan, req: RequestPlan, layer: AttentionLayer) -> Recipe:
     if req.tree is not None:
         return _tree_recipe(plan, req, layer)
     window, causal = layer.sliding_window_size, layer.is_causal
@@ -216,19 +198,19 @@ def _recipe(plan: _BatchPlan, req: _RequestPlan, layer: AttentionLayer) -> Recip
         lo, hi = key_range(start, end)
         offset = prefix + start - lo  # the block's first query position minus its first key position
         mask_key = _band(plan, end - start, hi - lo, offset, window, causal, group, req)
-        blocks.append(_Block(slice(start, end), slice(lo - first_key, hi - first_key), mask_key))
+        blocks.append(Block(slice(start, end), slice(lo - first_key, hi - first_key), mask_key))
     return Recipe(first_key, blocks, None)
 
 
 def _band(
-    plan: _BatchPlan,
+    plan: BatchPlan,
     rows: int,
     cols: int,
     offset: int,
     window: int,
     causal: bool,
     group: int,
-    req: _RequestPlan,
+    req: RequestPlan,
 ) -> tuple[object, ...] | None:
     """The key of a non-tree block's mask in ``plan.variant_masks`` (built on first use), or None if its every
     query sees every key."""
@@ -248,7 +230,7 @@ def _band(
     return key
 
 
-def _tree_recipe(plan: _BatchPlan, req: _RequestPlan, layer: AttentionLayer) -> Recipe:
+def _tree_recipe(plan: BatchPlan, req: RequestPlan, layer: AttentionLayer) -> Recipe:
     """One block over a speculative tree: the prefix and the tree, each key within the window of positions (a new
     token's position is the prefix plus its depth)."""
     if not layer.is_causal:
@@ -272,4 +254,4 @@ def _tree_recipe(plan: _BatchPlan, req: _RequestPlan, layer: AttentionLayer) -> 
     key: tuple[object, ...] = ("tree", req.q_start, window, group)
     plan.variant_masks[key] = visible.repeat(group, 1) if group > 1 else visible
     cols = req.seq_len - first_key
-    return Recipe(first_key, [_Block(slice(0, req.q_len), slice(0, cols), key)], blind)
+    return Recipe(first_key, [Block(slice(0, req.q_len), slice(0, cols), key)], blind)

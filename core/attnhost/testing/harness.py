@@ -24,7 +24,6 @@ from attnhost.backend import (
     capabilities_of,
     dtype_name,
 )
-from attnhost.discovery import PluginInfo
 from attnhost.errors import printable
 from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, quantize_fp8
 from attnhost.forward_mode import ForwardMode
@@ -496,19 +495,14 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _missing_backend_message(name: str) -> str:
-    """Why ``name`` is not registered, naming the plugin that failed to load when one did."""
+    """Why ``name`` is not registered, naming the plugin that failed to load when one did (the registry's rule for
+    which failed plugin a missing name points at, so the kit and the CLI blame the same one)."""
     registry = get_registry()
     failed = [p for p in default_host().plugins() if p.status.value == "failed"]
     unknown = registry.unknown_message(name)
     if not failed:
         return f"spec: {unknown}; is the plugin installed (`attnhost list`) and did it load (`attnhost plugins`)?"
-    key = name.lower().replace("-", "_")
-
-    def related(plugin: PluginInfo) -> bool:
-        names = [plugin.name.lower().replace("-", "_"), (plugin.distribution or "").lower().replace("-", "_")]
-        return any(other and (key in other or other in key) for other in names)
-
-    likely = [p for p in failed if related(p)]
+    likely = registry.failed_plugins_for(name)
     causes = "; ".join(f"{p.origin} failed to load: {p.error}" for p in likely or failed)
     if likely:
         return (

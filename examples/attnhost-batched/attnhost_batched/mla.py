@@ -24,7 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from attnhost import AttentionLayer
-    from attnhost_batched.backend import _Metadata
+    from attnhost_batched.plan import Metadata
 
 __all__ = ["attend_latent", "attend_mha"]
 
@@ -33,7 +33,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _padded(meta: _Metadata, parts: tuple[torch.Tensor, ...], heads: int, dtype: torch.dtype) -> torch.Tensor:
+def _padded(meta: Metadata, parts: tuple[torch.Tensor, ...], heads: int, dtype: torch.dtype) -> torch.Tensor:
     """``parts`` (token order, ``[n, heads, d_i]`` each) side by side in the padded layout ``[B * T, heads, sum d]``,
     padding rows zero: split rope parts are joined here, in the one copy padding makes anyway."""
     batch, max_queries = meta.query_valid.shape
@@ -47,7 +47,7 @@ def _padded(meta: _Metadata, parts: tuple[torch.Tensor, ...], heads: int, dtype:
 
 
 def attend_latent(
-    meta: _Metadata,
+    meta: Metadata,
     q: torch.Tensor,
     q_rope: torch.Tensor | None,
     latent: torch.Tensor,
@@ -75,7 +75,7 @@ def attend_latent(
 
 
 def attend_mha(
-    meta: _Metadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
+    meta: Metadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer
 ) -> torch.Tensor:
     """The MHA form over a batch without cached prefixes: ``q``/``k`` ``[n, heads, qk_head_dim]``, ``v`` ``[n, heads,
     v_head_dim]``, each request attending causally (or by its tree) over its own rows; returns ``[n, heads,

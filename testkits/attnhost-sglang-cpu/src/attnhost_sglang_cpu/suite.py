@@ -325,10 +325,7 @@ class TestSGLangEngine:
     @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
     @pytest.mark.parametrize("case_index", range(N_DENSE))
     def test_sglang_dense_kit(self, attnhost_backend_name: str, dtype: torch.dtype, case_index: int) -> None:
-        declared = _capabilities(attnhost_backend_name).dtypes
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in declared:
-            pytest.skip(f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {declared})")
+        _skip_unless_dtype(attnhost_backend_name, dtype)
         case = dense_cases(sglang_name(attnhost_backend_name))[case_index]
         _skip_unless_page(attnhost_backend_name, case.page_size)
         sglang_failure = _kit_failure(lambda: run_case(case, dtype))  # SGLang's own check first: users know it
@@ -344,14 +341,9 @@ class TestSGLangEngine:
         self, attnhost_backend_name: str, kind: tuple[str, int, bool], dtype: torch.dtype
     ) -> None:
         spec_kind, topk, host_bound = kind
-        capabilities = _capabilities(attnhost_backend_name)
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in capabilities.dtypes:
-            pytest.skip(
-                f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
-            )
-        if topk > 1 and not capabilities.tree_mask:
-            pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
+        _skip_unless_dtype(attnhost_backend_name, dtype)
+        if topk > 1:
+            _skip_unless_trees(attnhost_backend_name)
         case = spec_verify_case(sglang_name(attnhost_backend_name), (3, 30, 12), (4, 2), topk)
         _short(lambda: run_spec_verify_case(case, spec_kind=spec_kind, topk=topk, dtype=dtype, host_bound=host_bound))
 
@@ -359,14 +351,9 @@ class TestSGLangEngine:
     @pytest.mark.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
     @pytest.mark.parametrize("case_index", range(N_MLA))
     def test_sglang_mla_kit(self, attnhost_backend_name: str, dtype: torch.dtype, case_index: int, rope: int) -> None:
-        capabilities = _capabilities(attnhost_backend_name)
-        if not getattr(capabilities, "mla", False):  # an attnhost without MLA in its contract: none declares it
+        if not _capabilities(attnhost_backend_name).mla:
             pytest.skip(f"backend {attnhost_backend_name!r} does not declare MLA (capabilities.mla)")
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in capabilities.dtypes:
-            pytest.skip(
-                f"backend {attnhost_backend_name!r} does not declare {dtype_name} (dtypes = {capabilities.dtypes})"
-            )
+        _skip_unless_dtype(attnhost_backend_name, dtype)
         _short(lambda: run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope))
 
     def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
@@ -420,10 +407,9 @@ class TestSGLangEngine:
         kit_draft: Path,
         tmp_path: Path,
     ) -> None:
-        if topk > 1 and not getattr(_capabilities(attnhost_backend_name), "tree_mask", False):
-            pytest.skip(f"backend {attnhost_backend_name!r} does not declare tree masks (capabilities.tree_mask)")
-        if not _entry(attnhost_backend_name).draft:
-            pytest.skip(f"backend {attnhost_backend_name!r} is not draft-capable")
+        if topk > 1:
+            _skip_unless_trees(attnhost_backend_name)
+        _skip_unless_draft(attnhost_backend_name)
         _skip_unless_page(attnhost_backend_name, page)
         backend = sglang_name(attnhost_backend_name)
         case = f"speculative {'chain' if topk == 1 else 'tree'} (STANDALONE, topk {topk})"
@@ -442,8 +428,7 @@ class TestSGLangEngine:
                 f"backend {attnhost_backend_name!r} does not declare non_causal (BackendCapabilities), which the "
                 "default DFlash draft's block attention needs"
             )
-        if not _entry(attnhost_backend_name).draft:
-            pytest.skip(f"backend {attnhost_backend_name!r} is not draft-capable")
+        _skip_unless_draft(attnhost_backend_name)
         backend = sglang_name(attnhost_backend_name)
         case = "DFLASH (non-causal DFlash draft, target and draft on the backend)"
         args = speculative_args(
@@ -520,12 +505,39 @@ class TestSGLangEngine:
             )
 
 
+# Each family of cases a backend may not declare skips from one place with one sentence per backend, so that
+# pytest's skip summary (-rs) shows a family as one line, not one line per case.
+
+
+def _skip_unless_dtype(name: str, dtype: torch.dtype) -> None:
+    """Skip a case in a model dtype the backend does not declare (the engine refuses such a model)."""
+    declared = _capabilities(name).dtypes
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in declared:
+        pytest.skip(f"backend {name!r} does not declare {dtype_name} (dtypes = {declared})")
+
+
+def _skip_unless_trees(name: str) -> None:
+    """Skip a speculative tree case for a backend without tree masks (SGLang refuses a tree run for it)."""
+    if not _capabilities(name).tree_mask:
+        pytest.skip(f"backend {name!r} does not declare tree masks (capabilities.tree_mask)")
+
+
+def _skip_unless_draft(name: str) -> None:
+    """Skip a speculative engine case for a target-only backend (SGLang refuses it as a draft)."""
+    if not _entry(name).draft:
+        pytest.skip(f"backend {name!r} is not draft-capable")
+
+
 def _skip_unless_variants(name: str, kind: str) -> None:
-    """Skip, naming the flags, a variant model whose attention the backend does not declare."""
+    """Skip a variant model whose attention the backend does not declare, in one sentence naming every flag the
+    variant models need that the backend lacks and which model needs which (the same for each model skipped)."""
     capabilities = _capabilities(name)
-    missing = [flag for flag in vm.FEATURES[kind] if not getattr(capabilities, flag, False)]
-    if missing:
+    missing = {k: [f for f in vm.FEATURES[k] if not getattr(capabilities, f, False)] for k in vm.VARIANT_MODELS}
+    if missing[kind]:
+        flags = ", ".join(dict.fromkeys(flag for needed in missing.values() for flag in needed))
+        needs = "; ".join(f"tiny {k}: {', '.join(vm.FEATURES[k])}" for k in vm.VARIANT_MODELS if missing[k])
         pytest.skip(
-            f"backend {name!r} does not declare {', '.join(missing)} (BackendCapabilities), which the tiny {kind} "
-            "model needs"
+            f"backend {name!r} does not declare {flags} (BackendCapabilities), which the variant models skipped "
+            f"here need ({needs})"
         )
