@@ -26,8 +26,9 @@ from attnhost import (
     ModelRunner,
     ServerArgs,
 )
+from attnhost.dtypes import quantize_fp8
 from attnhost.errors import UnsupportedFeatureError
-from attnhost.forward_batch import ForwardBatch, quantize_fp8
+from attnhost.forward_batch import ForwardBatch
 from attnhost.host import get_registry
 from attnhost.testing import BackendConformance
 from attnhost.testing.reference import cache_values, reference_attention, reference_request_attention

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.torch
 import attnhost_builtin.torch_native as torch_native
 from attnhost.backend import AttentionBackend, AttentionLayer
 from attnhost.errors import KVPoolFullError
-from attnhost.forward_batch import ForwardBatch, KVPool
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
+from attnhost.kv_pool import KVPool
 from attnhost.testing.reference import reference_attention, tree_mask
 from attnhost_builtin.torch_native import TorchNativeAttnBackend
 

@@ -28,7 +28,9 @@ _PUBLIC: dict[str, str] = {
     "FP8_KV_DTYPES VARIANT_FEATURES",
     "mla": "MLAConfig MLAForm",
     "forward_mode": "ForwardMode",
-    "forward_batch": "ForwardBatch KVPool FP8_DTYPES quantize_fp8",
+    "forward_batch": "ForwardBatch",
+    "kv_pool": "KVPool",
+    "dtypes": "FP8_DTYPES quantize_fp8",
     "hybrid": "HybridAttnBackend",
     "runner": "ModelRunner",
     "context": "dispatch_attention_backend get_attn_backend",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests
     )
     from attnhost.context import dispatch_attention_backend, get_attn_backend
     from attnhost.discovery import ENTRY_POINT_GROUP, PluginInfo, PluginStatus
+    from attnhost.dtypes import FP8_DTYPES, quantize_fp8
     from attnhost.errors import (
         AttnhostError,
         BackendFailedError,
@@ -97,11 +100,12 @@ if TYPE_CHECKING:  # what type checkers see (re-exported: pyproject.toml); tests
         UnknownBackendError,
         UnsupportedFeatureError,
     )
-    from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, KVPool, quantize_fp8
+    from attnhost.forward_batch import ForwardBatch
     from attnhost.forward_mode import ForwardMode
     from attnhost.hooks import hookimpl
     from attnhost.host import get_plugin_manager, get_registry, register_plugin
     from attnhost.hybrid import HybridAttnBackend
+    from attnhost.kv_pool import KVPool
     from attnhost.mla import MLAConfig, MLAForm
     from attnhost.platform import current_platform
     from attnhost.registry import BackendEntry, Registry

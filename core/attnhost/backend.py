@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import abc
 import math
-import threading
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol, final
 
 from attnhost.errors import (
-    BackendUnavailableError,
     UnsupportedFeatureError,
     bounded,
-    describe_exception,
     safe_repr,
 )
 from attnhost.forward_mode import ForwardMode
@@ -36,7 +31,6 @@ __all__ = [
     "AttentionRunner",
     "BackendCapabilities",
     "KVCache",
-    "build_backend",
     "dtype_name",
 ]
 
@@ -457,7 +451,7 @@ class AttentionBackend(abc.ABC):
 
         Final: SGLang calls ``forward_extend`` and ``forward_decode`` by name, vLLM and the kit call this router,
         so an override would run in some engines and not in others; a backend that overrides it is refused when it
-        is built (:func:`build_backend`)."""
+        is built (:func:`attnhost.building.build_backend`)."""
         mode = forward_batch.forward_mode
         if mode is ForwardMode.IDLE:
             return q.new_empty((0, layer.num_heads, layer.v_head_dim))
@@ -501,47 +495,3 @@ def _mha_form_misuse(layer: AttentionLayer) -> str:
         "q_rope/k_rope, and save_kv_cache=False, since the caller writes the latent row into the cache itself "
         "(kv_pool.set_kv(layer_id, out_cache_loc, latent, latent[..., :kv_lora_rank]))"
     )
-
-
-# The live backends factories have handed to runners, by id (a virtual subclass without weak references: forever).
-_handed_out: weakref.WeakValueDictionary[int, AttentionBackend] = weakref.WeakValueDictionary()
-_unweakrefable: dict[int, AttentionBackend] = {}
-_handed_out_lock = threading.Lock()
-
-
-def build_backend(
-    factory: Callable[[AttentionRunner], object], runner: AttentionRunner, *, where: str, way_out: str, owner: str
-) -> AttentionBackend:
-    """``factory(runner)``, each refusal a ``BackendUnavailableError`` (``where`` names runner, backend and plugin). One
-    instance handed to two runners (a cached singleton) would make the target run the draft's backend
-    (docs/architecture.md), so the second hand-out is refused. Whatever the factory raises, ``SystemExit`` included,
-    is wrapped."""
-    try:
-        backend = factory(runner)
-    except (Exception, SystemExit) as exc:
-        raise BackendUnavailableError(f"{where}: its factory raised {describe_exception(exc)}; {way_out}") from exc
-    if not isinstance(backend, AttentionBackend):
-        raise BackendUnavailableError(
-            f"{where}: its factory returned {type(backend).__name__} {safe_repr(backend)}, not an "
-            f"attnhost.AttentionBackend; report this to the maintainers of {owner}"
-        )
-    if type(backend).forward is not AttentionBackend.forward:
-        raise BackendUnavailableError(
-            f"{where}: its class {type(backend).__qualname__} overrides AttentionBackend.forward, the contract's "
-            "router, which SGLang bypasses (it calls forward_extend and forward_decode by name), so the override "
-            "would run in vLLM and not in SGLang; implement forward_extend, forward_decode (and the MLA methods) "
-            f"instead — report this to the maintainers of {owner}"
-        )
-    key = id(backend)
-    with _handed_out_lock:
-        if _handed_out.get(key) is backend or _unweakrefable.get(key) is backend:
-            raise BackendUnavailableError(
-                f"{where}: its factory returned an instance ({safe_repr(backend)}) it had already returned for "
-                "another runner; every runner needs its own, or the target runs the draft's backend "
-                f"— report this to the maintainers of {owner}"
-            )
-        try:
-            _handed_out[key] = backend
-        except TypeError:  # no weak reference possible
-            _unweakrefable[key] = backend
-    return backend

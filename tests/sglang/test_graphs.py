@@ -63,7 +63,7 @@ def _fixture(backend: str) -> Any:
 
 def _storage(adapter: Any) -> dict[str, int]:
     """Where every tensor a captured graph reads lives: the adapter's graph buffers and the backend's plan."""
-    graphs = adapter._graphs
+    graphs = adapter._graphs.decode
     found = {
         name: getattr(graphs, name).data_ptr()
         for name in ("seq_lens", "prefix_lens", "extend_lens", "rows", "out_cache_loc")

@@ -32,8 +32,9 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
 
 from attnhost import UnsupportedFeatureError  # noqa: E402
 from attnhost.backend import capabilities_of  # noqa: E402
+from attnhost.dtypes import quantize_fp8  # noqa: E402
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend  # noqa: E402
-from attnhost.forward_batch import ForwardBatch, quantize_fp8  # noqa: E402
+from attnhost.forward_batch import ForwardBatch  # noqa: E402
 from attnhost.testing.reference import reference_request_attention  # noqa: E402
 
 OURS = "attnhost_torch_native"

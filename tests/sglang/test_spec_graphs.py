@@ -156,7 +156,7 @@ class _VerifyRunner:
 
 
 def _verify_storage(adapter: Any) -> dict[str, int]:
-    graphs = adapter._verify_graphs
+    graphs = adapter._graphs.verify
     found = {
         name: tensor.data_ptr()
         for name, tensor in (
@@ -179,7 +179,7 @@ VERIFY_KINDS = [("eagle", 1), ("eagle", 2), ("ngram", 2), ("dflash", 1)]
 def test_verify_replays_with_padding_match_sglangs_verify_reference(backend: str, spec_kind: str, topk: int) -> None:
     runner = _VerifyRunner(backend, spec_kind, topk)
     runner.capture()
-    planned, table = runner.adapter._batch, runner.adapter._kv._table
+    planned, table = runner.adapter._batch, runner.adapter.kv_view.slot_table
     storage = _verify_storage(runner.adapter)
     assert (planned.tree_mask is not None) == (topk > 1), "a chain got a tree mask, or a tree none"
     for live in LIVE:
@@ -188,7 +188,7 @@ def test_verify_replays_with_padding_match_sglangs_verify_reference(backend: str
         torch.testing.assert_close(out[:rows], runner.expected[:rows], atol=kit.DENSE_ATOL, rtol=kit.DENSE_RTOL)
         assert bool(torch.isfinite(out).all()), "a padded row's output is not finite"
         assert runner.adapter._batch is planned, "the replay planned another batch than the captured one"
-        assert runner.adapter._kv._table is table, "the replay reads another slot table than the captured one"
+        assert runner.adapter.kv_view.slot_table is table, "the replay reads another slot table than the captured one"
         assert _verify_storage(runner.adapter) == storage, "a tensor the captured layers read moved"
 
 
@@ -342,14 +342,15 @@ def test_draft_decode_replays_with_padding_attend_to_the_prefix_and_their_own_br
     runner = _DraftRunner(backend, topk, steps=3)
     runner.capture()
     planned = [child._batch for child in runner.container.attn_backends]
-    tables = [child._kv._table for child in runner.container.attn_backends]
+    tables = [child.kv_view.slot_table for child in runner.container.attn_backends]
     storage = _draft_storage(runner.container)
     for seed, live in enumerate(LIVE, start=1):
         runner.replay(live, seed)
         assert [child._batch for child in runner.container.attn_backends] == planned, "a step planned a new batch"
         assert all(a is b for a, b in zip(planned, [c._batch for c in runner.container.attn_backends], strict=True))
         assert all(
-            child._kv._table is table for child, table in zip(runner.container.attn_backends, tables, strict=True)
+            child.kv_view.slot_table is table
+            for child, table in zip(runner.container.attn_backends, tables, strict=True)
         ), "a step reads another slot table than at capture"
         assert _draft_storage(runner.container) == storage, "a tensor the captured steps read moved"
 

@@ -43,7 +43,8 @@ from sglang.test.kits.attention_unittest.runner_modes.speculative_draft_extend_r
     _prepare_eagle_draft_extend_v2_batch,
 )
 
-from attnhost.engines.sglang.adapter import SGLangAdapterBackend, UnsupportedFeatureError, tree_blocks  # noqa: E402
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend, UnsupportedFeatureError  # noqa: E402
+from attnhost.engines.sglang.batches import tree_blocks  # noqa: E402
 from attnhost.engines.sglang.multistep import SGLangMultiStepDraftBackend  # noqa: E402
 
 BACKENDS = ("attnhost_torch_native", "tiny", "batched_matmul")

@@ -49,6 +49,9 @@ def main() -> None:
     import vllm.plugins
 
     vllm.plugins.load_general_plugins()
+    from attnhost_vllm_cpu.triton_rule import answer_x86_triton_rule
+
+    answer_x86_triton_rule()  # vLLM >= 0.34 refuses an x86 VllmConfig without triton-cpu (not on PyPI)
     import torch
     from selector import selector_reasons
     from vllm.config import CacheConfig, VllmConfig

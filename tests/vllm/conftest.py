@@ -26,6 +26,9 @@ def vllm_plugins_loaded() -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    from attnhost_vllm_cpu.triton_rule import answer_x86_triton_rule
+
+    answer_x86_triton_rule()  # vLLM >= 0.34 refuses an x86 VllmConfig without triton-cpu (the kit's module says why)
 
 
 @pytest.fixture(scope="session")

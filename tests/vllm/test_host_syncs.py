@@ -32,8 +32,8 @@ def test_the_write_that_skips_padding_reads_nothing_and_writes_only_real_slots(
 ) -> None:
     """``VLLMKVCache.set_kv_skipping_padding``: the real rows' bytes are the contract's write (``quantize_fp8`` for an
     FP8 cache), every other slot keeps its bytes, a batch of only ``-1`` rows included; no read on the host."""
+    from attnhost.dtypes import quantize_fp8
     from attnhost.engines.vllm.adapter import VLLMKVCache
-    from attnhost.forward_batch import quantize_fp8
     from attnhost.testing.host_reads import device_only, no_host_reads
 
     torch.manual_seed(0)

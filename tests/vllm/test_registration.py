@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
 from attnhost.engines.vllm import bridge
 from attnhost.engines.vllm.bridge import ClassPath
+from attnhost.versions import TESTED
 
 SCENARIOS: dict[str, dict[str, str]] = {
     "clash": {},
@@ -179,6 +180,6 @@ def test_a_vllm_outside_the_tested_versions_gets_one_warning_when_it_loads_attnh
     lines = [line for line in done.stdout.splitlines() if "outside the versions attnhost is tested with" in line]
     assert lines == [
         "attnhost.versions WARNING vLLM 0.40.0 (distribution vllm) is outside the versions attnhost is tested with "
-        "(vllm ==0.33.*); attnhost runs, but if a backend misbehaves, say which versions in the report (`attnhost "
-        "versions` lists them)"
+        f"(vllm {TESTED['vllm']}); attnhost runs, but if a backend misbehaves, say which versions in the report "
+        "(`attnhost versions` lists them)"
     ], done.stdout[-3000:]

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from attnhost.backend import FP8_KV_DTYPES, AttentionLayer, dtype_name
-from attnhost.forward_batch import ForwardBatch, quantize_fp8
+from attnhost.dtypes import quantize_fp8
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.runner import ModelRunner
 from attnhost.testing.harness import ConformanceHarness, LayerRun, Step, fail, same_bits

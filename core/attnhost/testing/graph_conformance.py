@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from attnhost.backend import AttentionBackend, AttentionLayer
-from attnhost.forward_batch import ForwardBatch, KVPool
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
+from attnhost.kv_pool import KVPool
 from attnhost.runner import ModelRunner
 from attnhost.testing.harness import ConformanceHarness, fail, stored
 from attnhost.testing.host_reads import HostReadError, device_only, no_host_reads

@@ -24,8 +24,9 @@ from attnhost.backend import (
     capabilities_of,
     dtype_name,
 )
+from attnhost.dtypes import FP8_DTYPES, quantize_fp8
 from attnhost.errors import printable
-from attnhost.forward_batch import FP8_DTYPES, ForwardBatch, quantize_fp8
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host, get_registry
 from attnhost.platform import current_platform

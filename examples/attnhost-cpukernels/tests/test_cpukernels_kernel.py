@@ -15,7 +15,7 @@ import torch
 from attnhost_cpukernels.backend import CpuPagedAttnBackend, kernel_info
 
 from attnhost import AttentionLayer, ForwardBatch, ForwardMode, KVPool
-from attnhost.forward_batch import quantize_fp8
+from attnhost.dtypes import quantize_fp8
 
 ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 Request = tuple[int, int, int]  # (table row, prefix_len, extend_len)

@@ -50,9 +50,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from attnhost.backend import BackendCapabilities, capabilities_of
+from attnhost.backend import BackendCapabilities
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
-from attnhost.errors import BackendUnavailableError, UnsupportedFeatureError, plugin_label
+from attnhost.engines.identity import BackendIdentity, LogOnce, declared_capabilities, declares_mla
+from attnhost.errors import UnsupportedFeatureError
 from attnhost.host import default_host, engine_load_failure
 from attnhost.platform import current_platform
 from attnhost.settings import SGLANG_OVERRIDE_ENV as OVERRIDE_ENV
@@ -78,7 +79,7 @@ _lock = threading.Lock()
 _plan: ExportPlan | None = None
 _ours: dict[str, Callable[[Any], Any]] = {}
 """SGLang names this process registered, with the factory it put in ``ATTENTION_BACKENDS``."""
-_logged: set[str] = set()
+_log_once = LogOnce(logger)
 _hooks_installed = False
 
 
@@ -138,60 +139,36 @@ def _append(names: list[str], name: str) -> None:
 def _register_mla_dispatch(plan: ExportPlan) -> None:
     """DeepSeek's per-batch choice between MLA's two forms, for the exported names whose backend declares ``mla``
     (an unregistered name would silently get SGLang's ``triton`` rule)."""
-    names = [name for backend in plan.backends if _declares_mla(backend) for name in backend.engine_names]
+    names = [name for backend in plan.backends if declares_mla(backend) for name in backend.engine_names]
     if names:
         from attnhost.engines.sglang.mla import register_deepseek_dispatch
 
         register_deepseek_dispatch(names)
 
 
-def _declares_mla(backend: ExportedBackend) -> bool:
-    try:
-        return capabilities_of(backend.entry.spec.load()).mla
-    except Exception:  # unloadable: its runner says why, and no MLA model can run on it
-        return False
-
-
-def _log_once(level: int, message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, "%s", message)
-
-
 def adapter_factory(backend: ExportedBackend) -> Callable[[Any], Any]:
     """The ``factory(model_runner)`` SGLang calls: loads the plugin's factory lazily, builds an adapter."""
-    entry = backend.entry
-    origin = plugin_label(entry.plugin, entry.distribution, entry.version)
 
     def create_attnhost_backend(model_runner: Any) -> Any:
-        from attnhost.engines.sglang.adapter import SGLangAdapterBackend
+        from attnhost.engines.sglang.adapter import SGLangAdapterBackend, runner_flag
         from attnhost.engines.sglang.mla import SGLangMLAAdapterBackend
 
         default_host().freeze(by="building an SGLang model runner")
-        factory = _load(backend, origin)
+        identity = BackendIdentity.of(backend, backend.engine_name, "SGLang", flag=runner_flag(model_runner))
         adapter = SGLangMLAAdapterBackend if getattr(model_runner, "use_mla_backend", False) else SGLangAdapterBackend
         return adapter(
             model_runner,
-            engine_name=backend.engine_name,
-            attnhost_name=backend.name,
-            origin=origin,
-            factory=factory,
-            capabilities=capabilities_of(factory),
+            engine_name=identity.engine_name,
+            attnhost_name=identity.attnhost_name,
+            origin=identity.origin,
+            factory=identity.factory,
+            capabilities=identity.capabilities,
             capable_peers=capable_backends,
+            distribution=identity.distribution,
         )
 
     create_attnhost_backend.__qualname__ = f"create_attnhost_backend[{backend.engine_name}]"
     return create_attnhost_backend
-
-
-def _load(backend: ExportedBackend, origin: str) -> Any:
-    try:
-        return backend.entry.spec.load()
-    except Exception as exc:
-        raise BackendUnavailableError(
-            f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
-            f"reinstall {backend.entry.distribution or 'the plugin'} or choose another --attention-backend"
-        ) from exc
 
 
 def _capabilities(engine_name: str | None) -> BackendCapabilities | None:
@@ -201,10 +178,8 @@ def _capabilities(engine_name: str | None) -> BackendCapabilities | None:
     backend = _plan.by_engine_name(engine_name)
     if backend is None or engine_name not in _ours:
         return None
-    try:
-        return capabilities_of(backend.entry.spec.load())
-    except Exception:
-        return BackendCapabilities()  # unloadable: the runner will say why; no graphs meanwhile
+    declared = declared_capabilities(backend)
+    return BackendCapabilities() if declared is None else declared  # unloadable: the runner says why; no graphs
 
 
 # -- SGLang hooks ----------------------------------------------------------------------
@@ -346,10 +321,7 @@ def _backends_of(original: Callable[..., tuple[Any, Any]], *args: Any, **kwargs:
 
 def _origin(name: str) -> str:
     backend = _plan.by_engine_name(name) if _plan is not None else None
-    if backend is None:
-        return "attnhost"
-    entry = backend.entry
-    return plugin_label(entry.plugin, entry.distribution, entry.version)
+    return "attnhost" if backend is None else backend.entry.label
 
 
 def _refuse_unsupported_trees(view: Any) -> None:
@@ -366,11 +338,9 @@ def _refuse_unsupported_trees(view: Any) -> None:
         caps = _capabilities(name)
         backend = _plan.by_engine_name(name) if _plan is not None else None
         if caps is not None and not caps.tree_mask and backend is not None:
-            entry = backend.entry
-            origin = plugin_label(entry.plugin, entry.distribution, entry.version)
             raise UnsupportedFeatureError(
-                f"attnhost backend {name!r} ({origin}) declares no tree_mask capability, so it cannot verify the "
-                f"speculative tree --speculative-eagle-topk {view.speculative_eagle_topk} asks for; use "
+                f"attnhost backend {name!r} ({backend.entry.label}) declares no tree_mask capability, so it cannot "
+                f"verify the speculative tree --speculative-eagle-topk {view.speculative_eagle_topk} asks for; use "
                 "--speculative-eagle-topk 1 (chains), or a target --attention-backend that declares tree_mask"
             )
 

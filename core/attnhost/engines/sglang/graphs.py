@@ -14,7 +14,7 @@ The host lengths of a graph batch are bounds, the request table's width, the sam
 (the exact ones change on the device between replays); padded rows are SGLang's (request row 0, whose table row
 is all slot 0, a length of :data:`SEQ_LEN_FILL`, write slot 0, the slot SGLang's allocators never hand out).
 
-Speculative steps read their keys through a slot table of their own (``adapter.slot_table``): the target's
+Speculative steps read their keys through a slot table of their own (``batches.slot_table``): the target's
 verify graphs (``DecodeCudaGraphRunner`` in TARGET_VERIFY, each request's ``draft_token_num`` new tokens, a tree's
 mask refreshed with the rest) and the draft's multi-step decode graphs (``EAGLEDraftCudaGraphRunner``, one batch
 per step over branch rows) keep that table in a buffer too, refilled in place on the device from the committed
@@ -202,7 +202,7 @@ class VerifyGraphs:
     ) -> ForwardBatch:
         """SGLang's verify batch (captured, or a replay view whose ``out_cache_loc`` holds the live requests' new
         tokens only) into the buffers, checked on the device, and the batch of its size, the same object every
-        step. ``blocks(custom_mask, committed)``: the live requests' tree blocks (``adapter.tree_blocks``'s layout),
+        step. ``blocks(custom_mask, committed)``: the live requests' tree blocks (``batches.tree_blocks``'s layout),
         read from SGLang's mask at a replay; a capture's mask is SGLang's scratch buffer, never read."""
         bs, n, rows = int(forward_batch.batch_size), self.draft_tokens, self.rows
         loc = forward_batch.out_cache_loc

@@ -18,13 +18,14 @@ attnhost name whose backend declares ``mla``, and never replaces a handler SGLan
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from attnhost.backend import AttentionLayer, dtype_name
+from attnhost.dtypes import FP8_DTYPES
 from attnhost.engines.sglang.adapter import SGLangAdapterBackend
-from attnhost.forward_batch import FP8_DTYPES
+from attnhost.engines.sglang.runner_checks import check_cache
 from attnhost.mla import MLAConfig, MLAForm
 
 if TYPE_CHECKING:
@@ -34,12 +35,11 @@ if TYPE_CHECKING:
 
 __all__ = ["SGLangMLAAdapterBackend", "handle_attention_attnhost", "register_deepseek_dispatch"]
 
-_ROPE_ARGS = frozenset(("q_rope", "k_rope"))
-
 
 class SGLangMLAAdapterBackend(SGLangAdapterBackend):
     """The adapter for a model runner with ``use_mla_backend``: both MLA forms over SGLang's latent pool."""
 
+    call_keywords: ClassVar[frozenset[str]] = frozenset(("q_rope", "k_rope"))
     mla: MLAConfig
 
     def _check_runner(self, runner: Any) -> None:
@@ -47,22 +47,22 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         model_config = getattr(runner, "model_config", None)
         pool = self.token_to_kv_pool
         if not self.capabilities.mla:
-            raise self.refusal(
+            raise self.refuse(
                 f"the MLA model {_model_name(model_config, pool)}: it does not declare BackendCapabilities.mla",
                 f"choose with {self.flag} a backend that declares it (e.g. attnhost_torch_native)",
             )
         if type(pool) is not MLATokenToKVPool:
-            raise self.refusal(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
+            raise self.refuse(f"SGLang's {type(pool).__name__} (it reads MLATokenToKVPool)")
         if getattr(pool, "use_dsa", False):
-            raise self.refusal("DeepSeek sparse attention (an MLA pool with use_dsa)")
+            raise self.refuse("DeepSeek sparse attention (an MLA pool with use_dsa)")
         if pool.store_dtype != pool.dtype or pool.dtype in FP8_DTYPES:
-            raise self.refusal(
+            raise self.refuse(
                 f"an FP8 latent KV cache ({dtype_name(pool.dtype)} stored as {dtype_name(pool.store_dtype)}) for the "
                 f"MLA model {_model_name(model_config, pool)}: attnhost's MLA latent cache stays float",
                 "run SGLang with --kv-cache-dtype auto",
             )
         if pool.kv_cache_dim != pool.kv_lora_rank + pool.qk_rope_head_dim:
-            raise self.refusal(f"a latent row of width {pool.kv_cache_dim} unlike kv_lora_rank + qk_rope_head_dim")
+            raise self.refuse(f"a latent row of width {pool.kv_cache_dim} unlike kv_lora_rank + qk_rope_head_dim")
         rank, rope = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
         self.mla = MLAConfig(
             kv_lora_rank=rank,
@@ -73,8 +73,8 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         model_dtype = dtype_name(getattr(runner, "dtype", pool.dtype))
         reason = self.capabilities.refusal(dtype=model_dtype, head_dim=self.mla.latent_dim, mla=True)
         if reason is not None:
-            raise self.refusal(reason, f"choose another --dtype or {self.flag}")
-        self._check_cache(pool)
+            raise self.refuse(reason, f"choose another --dtype or {self.flag}")
+        check_cache(self.identity, pool)
         self._mla_layers: dict[RadixAttention, AttentionLayer] = {}
 
     def _mla_layer(self, layer: RadixAttention, k: Tensor | None, save_kv_cache: bool) -> AttentionLayer:
@@ -84,11 +84,11 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             getattr(layer, "is_cross_attention", False)
             or getattr(getattr(layer, "attn_type", None), "name", "DECODER") != "DECODER"
         ):
-            raise self.refusal(f"non-causal or cross-attention (layer {lid})")
+            raise self.refuse(f"non-causal or cross-attention (layer {lid})")
         if (getattr(layer, "sliding_window_size", -1) or -1) > -1:
-            raise self.refusal(f"sliding-window attention (layer {lid})")
+            raise self.refuse(f"sliding-window attention (layer {lid})")
         if getattr(layer, "logit_cap", 0) and layer.logit_cap > 0:
-            raise self.refusal(f"logit capping (layer {lid}, logit_cap={layer.logit_cap})")
+            raise self.refuse(f"logit capping (layer {lid}, logit_cap={layer.logit_cap})")
         heads = layer.tp_q_head_num
         got = (layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim)
         fits = [form for form in (MLAForm.ABSORBED, MLAForm.MHA) if self.mla.shape(form, heads) == got]
@@ -96,14 +96,14 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
             fits = [MLAForm.MHA if k is not None and not save_kv_cache else MLAForm.ABSORBED]
         if not fits:
             absorbed, mha = (self.mla.shape(form, heads) for form in (MLAForm.ABSORBED, MLAForm.MHA))
-            raise self.refusal(
+            raise self.refuse(
                 f"MLA layer {lid} with (num_kv_heads, qk_head_dim, v_head_dim) = {got}: it is neither the absorbed "
                 f"form {absorbed} nor the MHA form {mha} of this model's latent ({self.mla})",
                 "report this to attnhost's maintainers",
             )
         converted = AttentionLayer.for_mla(self.mla, fits[0], lid, heads, float(layer.scaling))
         self._mla_layers[layer] = converted
-        self._kv._layers[lid] = layer  # either object names the layer to the pool's set_kv_buffer
+        self._kv.bind(layer)  # either object names the layer to the pool's set_kv_buffer
         return converted
 
     def _run(
@@ -117,29 +117,23 @@ class SGLangMLAAdapterBackend(SGLangAdapterBackend):
         save_kv_cache: bool,
         kwargs: dict[str, Any],
     ) -> Tensor:
-        batch = self._batch
-        if batch is None or (forward_batch is not self._sglang_batch and not self._same_batch(batch, forward_batch)):
-            raise RuntimeError(f"{self._where}: init_forward_metadata() was not called for this ForwardBatch")
-        if kwargs and any(value is not None for name, value in kwargs.items() if name not in _ROPE_ARGS):
-            extra = ", ".join(sorted(n for n, value in kwargs.items() if value is not None and n not in _ROPE_ARGS))
-            raise self.refusal(f"the extra attention arguments {extra} (layer {layer.layer_id})")
+        batch = self._preamble(q, layer, forward_batch, kwargs)
         mla_layer = self._mla_layers.get(layer) or self._mla_layer(layer, k, save_kv_cache)
         tokens = q.shape[0]
-        if tokens != batch.num_new_tokens:
-            raise self.refusal(f"padded batches ({tokens} query rows for {batch.num_new_tokens} tokens)")
         if q.dim() != 3 and not self.capabilities.flat_heads:
             q = q.view(tokens, mla_layer.num_heads, -1)
         backend = self.attnhost_backend
         mha = mla_layer.mla_form is MLAForm.MHA
-        if mha and (save_kv_cache or k is None or v is None):
+        decompressed = (k, v) if mha and not save_kv_cache and k is not None and v is not None else None
+        if mha and decompressed is None:
             raise RuntimeError(
-                f"{self._where}: SGLang called MLA layer {layer.layer_id}'s MHA form with "
+                f"{self.identity.where}: SGLang called MLA layer {layer.layer_id}'s MHA form with "
                 f"save_kv_cache={save_kv_cache} and k/v {'missing' if k is None or v is None else 'given'}; "
                 "the MHA form takes decompressed k/v and leaves the latent cache to the model"
             )
         try:  # a plugin's exception gets the one line naming it, as on the dense path
-            if mha:
-                out: Tensor = backend.forward_mla_mha(q, k, v, mla_layer, batch)
+            if decompressed is not None:
+                out: Tensor = backend.forward_mla_mha(q, *decompressed, mla_layer, batch)
             else:
                 q_rope, k_rope = kwargs.get("q_rope"), kwargs.get("k_rope")
                 out = backend.forward_mla_mqa(q, k, v, mla_layer, batch, save_kv_cache, q_rope, k_rope)

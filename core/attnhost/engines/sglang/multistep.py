@@ -8,7 +8,7 @@ enters each child's forward context in turn and rewrites ``forward_batch.out_cac
 Each step is a DECODE batch of ``batch_size * topk`` *branch rows*. Row ``(b, t)`` attends to request
 ``b``'s committed prefix and to its own branch's draft tokens so far: the round's ``out_cache_loc`` is laid
 out ``[batch_size, topk, num_steps]`` (``per_step_draft_out_cache_loc``), so branch ``t``'s token ``j`` is
-at ``[b, t, j]``. One slot table per round (``adapter.slot_table``) holds every row's prefix and branch
+at ``[b, t, j]``. One slot table per round (``batches.slot_table``) holds every row's prefix and branch
 slots, and step ``i`` reads the first ``seq_len + i + 1`` of its row: to the attnhost backend it is a
 plain decode batch whose rows happen to share prefix slots. With ``topk == 1`` a row is its request.
 
@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from attnhost.engines.sglang.adapter import ENGINE_BUG, SGLangAdapterBackend, host_ints, slot_table
+from attnhost.engines.sglang.adapter import SGLangAdapterBackend
+from attnhost.engines.sglang.batches import host_ints, slot_table
 from attnhost.engines.sglang.graphs import DraftGraphs
 from attnhost.errors import InvalidBatchError
 
@@ -64,7 +65,7 @@ class SGLangMultiStepDraftBackend:
         host = forward_batch.seq_lens_cpu
         bounds = (width - steps,) * bs if host is None else tuple(min(n, width - steps) for n in host_ints(host))
         per_row = forward_batch.out_cache_loc.view(rows, -1)[:, :steps]  # a planned wider window leads with ours
-        first._check(
+        first.batches.check(
             forward_batch, forward_batch.seq_lens, bounds, (steps,) * bs, False, (0,) * bs, per_row.reshape(-1)
         )
         row_bounds = tuple(n for n in bounds for _ in range(self.topk))
@@ -87,7 +88,7 @@ class SGLangMultiStepDraftBackend:
         rows = int(forward_batch.batch_size) * self.topk
         loc = forward_batch.out_cache_loc
         if loc.numel() % rows or loc.numel() // rows < self.speculative_num_steps:
-            raise first.refusal(
+            raise first.refuse(
                 f"a draft round whose {loc.numel()} write slots do not cover {rows} branch rows x "
                 f"{self.speculative_num_steps} steps",
                 "report this to attnhost's maintainers",
@@ -95,9 +96,9 @@ class SGLangMultiStepDraftBackend:
         carried = getattr(forward_batch.spec_info, "topk_p", None)  # [batch, topk]: the round's own breadth
         if carried is not None and carried.dim() == 2 and carried.shape[1] != self.topk:
             raise InvalidBatchError(
-                f"{first._where}: a draft round laid out for topk {carried.shape[1]} reached the multi-step "
+                f"{first.identity.where}: a draft round laid out for topk {carried.shape[1]} reached the multi-step "
                 f"container built for topk {self.topk}, so each step's K/V would land in another step's slots; "
-                f"nothing was read or written — {ENGINE_BUG}"
+                f"nothing was read or written — {first.identity.engine_bug}"
             )
         return rows
 
@@ -108,7 +109,7 @@ class SGLangMultiStepDraftBackend:
         max_rows = max_bs * self.topk
         for backend in self.attn_backends:
             backend.start_graphs(max_rows, max_rows)
-        kvs = [backend._kv for backend in self.attn_backends]
+        kvs = [backend.kv_view for backend in self.attn_backends]
         table = self.req_to_token_pool.req_to_token
         self._graphs = DraftGraphs(kvs, table, max_bs, self.topk, self.speculative_num_steps, table.device)
 
@@ -118,17 +119,18 @@ class SGLangMultiStepDraftBackend:
         graph batch, the same objects every round."""
         graphs = self._graphs
         first = self.attn_backends[0]
+        where, engine_bug = first.identity.where, first.identity.engine_bug
         if graphs is None:
-            raise RuntimeError(f"{first._where}: a draft graph step before SGLang called init_cuda_graph_state")
+            raise RuntimeError(f"{where}: a draft graph step before SGLang called init_cuda_graph_state")
         if not graphs.covers(forward_batch.batch_size):
             raise RuntimeError(
-                f"{first._where}: a draft graph of batch size {forward_batch.batch_size} beyond the {graphs.max_bs} "
-                f"SGLang declared in init_cuda_graph_state; {ENGINE_BUG}"
+                f"{where}: a draft graph of batch size {forward_batch.batch_size} beyond the {graphs.max_bs} "
+                f"SGLang declared in init_cuda_graph_state; {engine_bug}"
             )
         table = graphs.rows.table_of(self._check_round(forward_batch))
         for backend in self.attn_backends:  # the steps' batches name the rows of this table
-            backend._kv._table = table
-        batches = graphs.refresh(first._where, forward_batch, first._num_slots, ENGINE_BUG)
+            backend.kv_view.slot_table = table
+        batches = graphs.refresh(where, forward_batch, first.batches.num_slots, engine_bug)
         for backend, batch in zip(self.attn_backends, batches, strict=True):
             backend.plan_graph_step(forward_batch, batch)
 

@@ -66,31 +66,22 @@ from vllm.v1.kv_cache_interface import (
     is_quantized_kv_cache,
 )
 
-from attnhost.backend import AttentionBackend, BackendCapabilities, build_backend, capabilities_of, dtype_name
-from attnhost.engines.export import ExportedBackend
+from attnhost.backend import AttentionBackend, BackendCapabilities, dtype_name
+from attnhost.dtypes import quantize_fp8
 from attnhost.engines.runner_view import RunnerView
 from attnhost.engines.vllm.graphs import UniformBatches
-from attnhost.engines.vllm.names import BACKENDS_MODULE
-from attnhost.engines.vllm.variants import (
-    WINDOWED_NON_CAUSAL,
-    LayerVariants,
-    explain_reason,
-    layer_variants,
-    non_causal_refusal,
-)
-from attnhost.errors import (
-    BackendFailedError,
-    BackendUnavailableError,
-    UnsupportedFeatureError,
-    backend_failed,
-    plugin_label,
-)
-from attnhost.forward_batch import ForwardBatch, quantize_fp8
+from attnhost.engines.vllm.identity import VLLMIdentity, identify
+from attnhost.engines.vllm.names import BACKENDS_MODULE, new_layer_id
+from attnhost.engines.vllm.variants import WINDOWED_NON_CAUSAL, LayerVariants, layer_variants, refuse_non_causal
+from attnhost.errors import UnsupportedFeatureError
+from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.host import default_host
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from attnhost.engines.export import ExportedBackend
 
 __all__ = [
     "AttnhostVLLMBackend",
@@ -112,47 +103,6 @@ _VLLM_KV_DTYPES = ("float16", "bfloat16")
 VLLM_FP8_KV_DTYPES: dict[str, str] = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 """vLLM's ``--kv-cache-dtype`` names of per-tensor-scaled FP8 caches, and the attnhost dtype each stores (vLLM
 allocates them as ``uint8``; ``fp8`` means e4m3). vLLM's other quantized caches have no attnhost contract."""
-
-_layer_ids = itertools.count()
-"""attnhost layer ids: one per vLLM attention layer (impl) in this process, so KV views never mix."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Identity:
-    """Which attnhost backend a vLLM name serves, and how errors name it."""
-
-    engine_name: str
-    attnhost_name: str
-    origin: str
-    factory: Any
-    capabilities: BackendCapabilities
-    sibling: str | None = None
-    """The vLLM name of the same attnhost backend in the other role (the MLA backend of a dense name, the dense
-    backend of an MLA name), for refusals that name the way out; ``None`` when there is none."""
-
-    @property
-    def where(self) -> str:
-        return f"attnhost backend {self.attnhost_name!r} ({self.origin}), vLLM --attention-backend {self.engine_name}"
-
-    def refuse(self, feature: str, way_out: str = "choose another --attention-backend") -> UnsupportedFeatureError:
-        return UnsupportedFeatureError(f"{self.where} does not support {feature}; {way_out}")
-
-    def failed(self, method: str, batch: ForwardBatch, layer_id: int | None, exc: BaseException) -> BackendFailedError:
-        return backend_failed(self.where, self.origin, method, batch.forward_mode.name, layer_id, exc)
-
-    def sibling_way_out(self, mla: bool) -> str | None:
-        """Where a model of the other kind goes (its MLA or its dense name), if this backend serves both."""
-        if self.sibling is None:
-            return None
-        return f"select its {'MLA' if mla else 'dense'} backend, --attention-backend {self.sibling.lower()}"
-
-    def explain(self, reason: str) -> str:
-        """One of vLLM's selection reasons, with the way out where attnhost knows it."""
-        if reason == "MLA not supported":
-            return f"{reason}: {self.sibling_way_out(True) or 'it does not declare BackendCapabilities.mla'}"
-        if reason == "non-MLA not supported" and self.sibling is not None:
-            return f"{reason}: {self.sibling_way_out(False)}"
-        return explain_reason(reason, self.capabilities) or reason
 
 
 class VLLMKVCache:
@@ -288,7 +238,7 @@ class AttnhostVLLMMetadata:
 class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's backend interface over one attnhost backend; :func:`make_backend_class` makes one subclass per name."""
 
-    identity: ClassVar[_Identity]
+    identity: ClassVar[VLLMIdentity]
     forward_includes_kv_cache_update: bool = True  # the attnhost backend writes new K/V itself (set_kv)
     supports_kv_cache_update_bypass: bool = False
 
@@ -301,6 +251,13 @@ class AttnhostVLLMBackend(VLLMAttentionBackend):  # type: ignore[misc]  # vLLM i
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(cls.identity.capabilities.head_dims)
+
+    @classmethod
+    def supports_head_size_v(cls, head_size: int, head_size_v: int) -> bool:
+        """vLLM 0.34 asks before handing a layer whose V head size differs from its K head size (MiMo-V2) to the
+        backend it was asked for, and takes its own backend for that layer on a no. The contract has one
+        ``head_dim`` for K and V, so: equal sizes, of a declared ``BackendCapabilities.head_dims`` (empty: any)."""
+        return head_size_v == head_size and cls.supports_head_size(head_size)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -351,7 +308,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
     refreshed in place (:mod:`attnhost.engines.vllm.graphs`); every other batch is built afresh.
     """
 
-    identity: ClassVar[_Identity]
+    identity: ClassVar[VLLMIdentity]
     graphs_supported: ClassVar[bool] = True
     """Whether this builder serves vLLM's full CUDA graphs for a backend that declares ``cuda_graph``."""
     reorder_batch_threshold: int | None = None
@@ -405,13 +362,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         runner = RunnerView(
             self.device, self.dtype, self._is_draft, self.kv_cache_cls(self.device, self.dtype, empty, self.views)
         )
-        backend = build_backend(
-            identity.factory,
-            runner,
-            where=identity.where,
-            way_out="fix or reinstall the plugin, or choose another --attention-backend",
-            owner=identity.origin,
-        )
+        backend = identity.build(runner)
         backend.prefill_attention_backend_str = backend.decode_attention_backend_str = identity.attnhost_name
         return backend
 
@@ -487,7 +438,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
         try:
             self.attnhost_backend.init_forward_metadata(batch)
         except (Exception, SystemExit) as exc:
-            raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
+            raise self.identity.failed("init_forward_metadata", batch.forward_mode, None, exc) from exc
 
     def _page_table(self, block_table: torch.Tensor, num_reqs: int, seq_lens: tuple[int, ...]) -> torch.Tensor:
         """vLLM's ``block_table`` as attnhost's ``page_table``: ``[num_reqs, blocks of the longest request]`` int64."""
@@ -547,7 +498,7 @@ class AttnhostVLLMMetadataBuilder(AttentionMetadataBuilder[AttnhostVLLMMetadata]
 class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[misc]
     """One vLLM attention layer: checked once at construction, then a thin per-forward call into the backend."""
 
-    identity: ClassVar[_Identity]
+    identity: ClassVar[VLLMIdentity]
 
     def __init__(
         self,
@@ -587,7 +538,7 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
         self.kv_cache_dtype = kv_cache_dtype
         self.variants: LayerVariants = layer_variants(
             self.identity,
-            next(_layer_ids),
+            new_layer_id(),
             num_heads,
             self.num_kv_heads,
             head_size,
@@ -624,7 +575,7 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
             self._take_scales(layer)
         attn_layer = self.layer if attn_metadata.causal else self.variants.bidirectional
         if attn_layer is None:
-            raise non_causal_refusal(self.identity, self.variants)
+            raise refuse_non_causal(self.identity, self.variants)
         views = kv.views.get(attn_layer.layer_id)
         if views is None or views[2] is not kv_cache:
             kv.views[attn_layer.layer_id] = self._views(kv_cache)
@@ -660,7 +611,7 @@ class AttnhostVLLMImpl(AttentionImpl[AttnhostVLLMMetadata]):  # type: ignore[mis
                 sinks=self.sinks,
             )
         except (Exception, SystemExit) as exc:
-            raise self.identity.failed("forward", batch, attn_layer.layer_id, exc) from exc
+            raise self.identity.failed("forward", batch.forward_mode, attn_layer.layer_id, exc) from exc
         output[:n].copy_(out.view(n, attn_layer.num_heads, attn_layer.head_dim))
         return output
 
@@ -720,7 +671,7 @@ def _graph_tokens(vllm_config: Any) -> int:
     return int(largest or vllm_config.scheduler_config.max_num_seqs)
 
 
-def _fp8_dtype(identity: _Identity, kv_cache_dtype: str) -> torch.dtype | None:
+def _fp8_dtype(identity: VLLMIdentity, kv_cache_dtype: str) -> torch.dtype | None:
     """The float8 dtype an FP8 ``--kv-cache-dtype`` stores, refused by name where the backend does not read it;
     ``None`` for a float cache."""
     name = VLLM_FP8_KV_DTYPES.get(kv_cache_dtype)
@@ -736,7 +687,7 @@ def _fp8_dtype(identity: _Identity, kv_cache_dtype: str) -> torch.dtype | None:
     return dtype
 
 
-def _cache_dtype(identity: _Identity, spec: Any, vllm_config: Any) -> torch.dtype:
+def _cache_dtype(identity: VLLMIdentity, spec: Any, vllm_config: Any) -> torch.dtype:
     """The dtype of a KV-cache group's entries: the spec's, or with an FP8 cache (``uint8`` in the spec; which
     format is the cache config's ``cache_dtype``) its float8 dtype, refused by name where the backend does not
     read it. The block size is checked here too: vLLM's selector may be bypassed, and it never sees a kernel
@@ -761,7 +712,7 @@ def _cache_dtype(identity: _Identity, spec: Any, vllm_config: Any) -> torch.dtyp
 
 
 def refuse_impl_args(
-    identity: _Identity,
+    identity: VLLMIdentity,
     alibi_slopes: object,
     sliding_window: int | None,
     logits_soft_cap: float | None,
@@ -824,7 +775,7 @@ def _slotted_rows(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return rows, slot_mapping.index_select(0, rows)
 
 
-def _check_spec(identity: _Identity, spec: Any) -> None:
+def _check_spec(identity: VLLMIdentity, spec: Any) -> None:
     """Refuse, at builder construction, a KV-cache group the attnhost contract cannot serve."""
     refuse = identity.refuse
     if isinstance(spec, MLAAttentionSpec):
@@ -865,22 +816,7 @@ def _check_spec(identity: _Identity, spec: Any) -> None:
         raise refuse(reason, "choose another --dtype, --kv-cache-dtype or --attention-backend")
 
 
-def make_identity(engine_name: str, backend: ExportedBackend, sibling: str | None = None) -> _Identity:
-    """Load the attnhost backend's factory (a failure names backend, plugin and way out) and say who it is."""
-    entry = backend.entry
-    origin = plugin_label(entry.plugin, entry.distribution, entry.version)
-    try:
-        factory = entry.spec.load()
-        capabilities = capabilities_of(factory)
-    except Exception as exc:
-        raise BackendUnavailableError(
-            f"attnhost backend {backend.name!r} ({origin}) could not be loaded: {type(exc).__name__}: {exc}; "
-            f"reinstall {entry.distribution or 'the plugin'} or choose another --attention-backend"
-        ) from exc
-    return _Identity(engine_name, backend.name, origin, factory, capabilities, sibling)
-
-
-def named_class(identity: _Identity, base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
+def named_class(identity: VLLMIdentity, base: type[Any], suffix: str, namespace: dict[str, Any]) -> type[Any]:
     """A subclass of ``base`` for one vLLM name, where vLLM's ``resolve_obj_by_qualname`` and pickle find it
     (``attnhost.engines.vllm.backends.<engine_name>``)."""
     name = identity.engine_name
@@ -912,10 +848,10 @@ def make_backend_class(
 ) -> type[AttnhostVLLMBackend]:
     """The vLLM backend class for one vLLM name: its own backend, builder and impl subclasses (``sibling``: the
     vLLM name of the backend's MLA twin, if it has one)."""
-    return dense_backend_class(make_identity(engine_name, backend, sibling))
+    return dense_backend_class(identify(engine_name, backend, sibling))
 
 
-def dense_backend_class(identity: _Identity) -> type[AttnhostVLLMBackend]:
+def dense_backend_class(identity: VLLMIdentity) -> type[AttnhostVLLMBackend]:
     """The dense backend class, with its own builder and impl subclasses, for the backend ``identity`` names."""
     engine_name = identity.engine_name
     impl = named_class(identity, AttnhostVLLMImpl, "Impl", {})

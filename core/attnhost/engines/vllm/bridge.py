@@ -20,8 +20,8 @@ import logging
 import threading
 from typing import Any
 
-from attnhost.backend import capabilities_of
 from attnhost.engines.export import ExportedBackend, ExportPlan, plan_exports
+from attnhost.engines.identity import LogOnce, declares_mla
 from attnhost.engines.vllm.mla_names import plan_mla_exports
 from attnhost.engines.vllm.names import BACKENDS_MODULE, vllm_name
 from attnhost.errors import BackendUnavailableError
@@ -84,7 +84,7 @@ _ours: dict[str, ExportedBackend] = {}
 _mla_names: dict[str, str] = {}
 """Dense vLLM name → the MLA name of the same backend, for the backends that declare ``mla``."""
 _classes: dict[str, type[Any]] = {}
-_logged: set[str] = set()
+_log_once = LogOnce(logger)
 
 
 def current_plan() -> ExportPlan | None:
@@ -145,7 +145,7 @@ def install() -> ExportPlan:
 
 def _install_mla_names(plan: ExportPlan, members: Any, register_backend: Any) -> list[str]:
     """Register the MLA name of every exported backend that declares ``mla``; the names added."""
-    mla, warnings = plan_mla_exports(plan, _declares_mla, lambda name: name in members, _ours, vllm_name)
+    mla, warnings = plan_mla_exports(plan, declares_mla, lambda name: name in members, _ours, vllm_name)
     for warning in warnings:
         _log_once(logging.WARNING, warning)
     added = []
@@ -161,24 +161,11 @@ def _install_mla_names(plan: ExportPlan, members: Any, register_backend: Any) ->
     return added
 
 
-def _declares_mla(backend: ExportedBackend) -> bool:
-    try:
-        return capabilities_of(backend.entry.spec.load()).mla
-    except Exception:  # unloadable: its dense class says why when vLLM builds it, and no MLA model can run on it
-        return False
-
-
 def mla_name(engine_name: str) -> str | None:
     """The vLLM name under which the backend registered as ``engine_name`` serves MLA models, if it declares
     ``mla`` (``TORCH_NATIVE`` → ``TORCH_NATIVE_MLA``)."""
     install()
     return _mla_names.get(engine_name)
-
-
-def _log_once(level: int, message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.log(level, "%s", message)
 
 
 def registered_value(engine_name: str) -> str:

@@ -55,15 +55,14 @@ from attnhost.engines.vllm.adapter import (
     AttnhostVLLMBackend,
     AttnhostVLLMMetadataBuilder,
     VLLMKVCache,
-    _Identity,
-    _layer_ids,
     copy_skipping_padding,
     host_seq_lens,
-    make_identity,
     named_class,
     refuse_impl_args,
     supported_dtypes,
 )
+from attnhost.engines.vllm.identity import VLLMIdentity, identify
+from attnhost.engines.vllm.names import new_layer_id
 from attnhost.forward_batch import ForwardBatch
 from attnhost.forward_mode import ForwardMode
 from attnhost.mla import MLAConfig, MLAForm
@@ -216,7 +215,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
             try:
                 backend.init_forward_metadata(batch)
             except (Exception, SystemExit) as exc:
-                raise self.identity.failed("init_forward_metadata", batch, None, exc) from exc
+                raise self.identity.failed("init_forward_metadata", batch.forward_mode, None, exc) from exc
             return _Form(batch, backend, kv)
 
         block_table = m.block_table_tensor
@@ -246,7 +245,7 @@ class AttnhostVLLMMLAMetadataBuilder(AttnhostVLLMMetadataBuilder):
 class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: ignore[misc]
     """One vLLM MLA layer: checked once at construction; per forward, a thin call into the form's backend."""
 
-    identity: ClassVar[_Identity]
+    identity: ClassVar[VLLMIdentity]
     can_return_lse_for_decode: bool = False
     supports_pcp: bool = False
     supports_quant_query_input: bool = False
@@ -316,7 +315,7 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         self.indexer = None
         self.q_pad_num_heads = None  # the attnhost backend takes the heads as they are; the layer pads nothing
         self.mla = MLAConfig(kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim)
-        layer_id = next(_layer_ids)
+        layer_id = new_layer_id()
         self.absorbed_layer = AttentionLayer.for_mla(self.mla, MLAForm.ABSORBED, layer_id, num_heads, self.scale)
         self.mha_layer = AttentionLayer.for_mla(self.mla, MLAForm.MHA, layer_id, num_heads, self.scale)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (vLLM's tensor, its latent rows)
@@ -372,7 +371,7 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         try:
             out = form.backend.forward_mla_mqa(q_nope, None, None, self.absorbed_layer, form.batch, False, q_rope, None)
         except (Exception, SystemExit) as exc:
-            raise self.identity.failed("forward_mla_mqa", form.batch, layer_id, exc) from exc
+            raise self.identity.failed("forward_mla_mqa", form.batch.forward_mode, layer_id, exc) from exc
         return out if out.is_contiguous() else out.contiguous(), None
 
     def forward_mha(
@@ -401,7 +400,9 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         try:
             out = form.backend.forward_mla_mha(q, k, kv_nope[..., nope:], self.mha_layer, form.batch)
         except (Exception, SystemExit) as exc:
-            raise self.identity.failed("forward_mla_mha", form.batch, self.mha_layer.layer_id, exc) from exc
+            raise self.identity.failed(
+                "forward_mla_mha", form.batch.forward_mode, self.mha_layer.layer_id, exc
+            ) from exc
         output.view(n, heads, v_dim).copy_(out.view(n, heads, v_dim))
 
     def _form(self, form: _Form | None, method: str) -> _Form:
@@ -458,7 +459,7 @@ class AttnhostVLLMMLAImpl(MLAAttentionImpl[AttnhostVLLMMLAMetadata]):  # type: i
         return rows
 
 
-def _check_mla_spec(identity: _Identity, spec: Any) -> None:
+def _check_mla_spec(identity: VLLMIdentity, spec: Any) -> None:
     """Refuse, at builder construction, a KV-cache group this MLA name cannot serve."""
     refuse = identity.refuse
     if not identity.capabilities.mla:
@@ -496,10 +497,10 @@ def _check_mla_spec(identity: _Identity, spec: Any) -> None:
 
 def make_mla_backend_class(engine_name: str, backend: ExportedBackend, sibling: str) -> type[AttnhostVLLMMLABackend]:
     """The vLLM MLA backend class for one MLA name (``sibling``: the backend's dense vLLM name)."""
-    return mla_backend_class(make_identity(engine_name, backend, sibling))
+    return mla_backend_class(identify(engine_name, backend, sibling))
 
 
-def mla_backend_class(identity: _Identity) -> type[AttnhostVLLMMLABackend]:
+def mla_backend_class(identity: VLLMIdentity) -> type[AttnhostVLLMMLABackend]:
     """The MLA backend class, with its own builder and impl subclasses, for the backend ``identity`` names."""
     impl = named_class(identity, AttnhostVLLMMLAImpl, "Impl", {})
     builder = named_class(identity, AttnhostVLLMMLAMetadataBuilder, "Builder", {})

@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
 
 from attnhost.backend import AttentionLayer, BackendCapabilities
-from attnhost.errors import UnsupportedFeatureError
 
-__all__ = ["WINDOWED_NON_CAUSAL", "LayerVariants", "explain_reason", "layer_variants", "non_causal_refusal"]
+if TYPE_CHECKING:
+    from attnhost.engines.identity import BackendIdentity
+    from attnhost.errors import UnsupportedFeatureError
+
+__all__ = ["WINDOWED_NON_CAUSAL", "LayerVariants", "explain_reason", "layer_variants", "refuse_non_causal"]
 
 WINDOWED_NON_CAUSAL = (
     "a sliding window on a non-causal batch (vLLM's kernels limit both sides there, attnhost's contract the left "
@@ -59,15 +62,6 @@ def explain_reason(reason: str, capabilities: BackendCapabilities) -> str | None
     return f"{reason}: it does not declare BackendCapabilities.{flag}"
 
 
-class _Identity(Protocol):
-    """What this module needs of the adapter's identity of a backend: what it declares, and its refusal wording."""
-
-    @property
-    def capabilities(self) -> BackendCapabilities: ...
-
-    def refuse(self, feature: str, way_out: str = ...) -> UnsupportedFeatureError: ...
-
-
 @dataclass(frozen=True, slots=True)
 class LayerVariants:
     """One vLLM layer's variants in attnhost's terms: the layers the impl runs and the sinks it passes per call."""
@@ -82,7 +76,7 @@ class LayerVariants:
 
 
 def layer_variants(
-    identity: _Identity,
+    identity: BackendIdentity,
     layer_id: int,
     num_heads: int,
     num_kv_heads: int,
@@ -146,7 +140,7 @@ def layer_variants(
     return LayerVariants(layer, bidirectional, sinks)
 
 
-def non_causal_refusal(identity: _Identity, variants: LayerVariants) -> UnsupportedFeatureError:
+def refuse_non_causal(identity: BackendIdentity, variants: LayerVariants) -> UnsupportedFeatureError:
     """Why a non-causal batch cannot run this layer (the selector refuses it first; this is the last guard)."""
     if variants.layer.sliding_window_size >= 0 and identity.capabilities.non_causal:
         return identity.refuse(WINDOWED_NON_CAUSAL)

@@ -25,7 +25,7 @@ from sglang.test.kits.attention_unittest.attention_methods.dense_attention impor
     run_dense_attention_case,
 )
 
-from attnhost.forward_batch import quantize_fp8
+from attnhost.dtypes import quantize_fp8
 
 __all__ = ["DTYPES", "KitCase", "build_fixture", "dense_cases", "failure_named", "fp8_fixture", "run_case"]
 

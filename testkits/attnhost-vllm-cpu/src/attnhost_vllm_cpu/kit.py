@@ -25,7 +25,7 @@ A case may have an FP8 cache (``kv_cache_dtype`` ``fp8`` / ``fp8_e4m3`` /
 ``fp8_e5m2``): vLLM's ``uint8`` allocation with per-layer scales that put the
 format's largest value at 2 (``k_scale`` doubled in layer 1), so that the
 tail of the inputs saturates. The prefix is stored as the contract's
-quantising write (:func:`attnhost.forward_batch.quantize_fp8`) and the
+quantising write (:func:`attnhost.quantize_fp8`) and the
 reference reads every key and value as the cache holds it, dequantised
 (``stored * scale``): quantisation changes what the cache holds, not how
 exactly a backend must attend over it.
@@ -53,7 +53,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from attnhost.forward_batch import quantize_fp8
+from attnhost.dtypes import quantize_fp8
 from attnhost.testing.reference import reference_request_attention
 
 FP8_FORMATS: dict[str, torch.dtype] = {

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import inspect
 import random
 import tempfile
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
+from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.v1.kv_cache_interface import KVCacheLayout, MLAAttentionSpec
 
 from attnhost.mla import MLAConfig
@@ -52,6 +54,7 @@ __all__ = [
     "mla_forward",
     "mla_problem",
     "one_rank_group",
+    "process_attention_weights",
 ]
 
 MLA_BATCHES: dict[str, list[tuple[int, int]]] = {
@@ -228,6 +231,17 @@ def make_mla_case(
     return case
 
 
+def process_attention_weights(layer: Any, dtype: torch.dtype) -> None:
+    """``layer.process_weights_after_loading`` as the installed vLLM's loader calls it: with the model dtype where
+    the method takes one (vLLM 0.33: ``(act_dtype)``), else without (0.34 reads the ``act_dtype`` the layer took
+    from torch's default dtype when it was built, which is why :func:`mla_forward` builds layers under it)."""
+    parameters = inspect.signature(layer.process_weights_after_loading).parameters
+    if parameters:
+        layer.process_weights_after_loading(dtype)
+    else:
+        layer.process_weights_after_loading()
+
+
 def mla_forward(cls: type, case: MLACase, dtype: torch.dtype, what: str) -> tuple[list[torch.Tensor], Any]:
     """Build ``MLAAttention`` layers on ``cls`` and the metadata with ``cls``'s builder, run every layer as a model
     does; vLLM's output per layer (``[T + padding, heads * v_head_dim]``) and the metadata. Call inside
@@ -240,7 +254,8 @@ def mla_forward(cls: type, case: MLACase, dtype: torch.dtype, what: str) -> tupl
     names = [f"model.layers.{i}.self_attn.attn" for i in range(len(case.caches))]
     layers = []
     try:
-        with set_current_vllm_config(config), torch.no_grad():
+        # vLLM's loader builds the model and processes its weights with the model dtype as torch's default
+        with set_current_vllm_config(config), set_default_torch_dtype(dtype), torch.no_grad():
             for name, weight, cache in zip(names, case.weights, case.caches, strict=True):
                 kv_b_proj = ColumnParallelLinear(
                     mla.kv_lora_rank,
@@ -263,7 +278,7 @@ def mla_forward(cls: type, case: MLACase, dtype: torch.dtype, what: str) -> tupl
                     attn_backend=cls,
                 )
                 kv_b_proj.quant_method.process_weights_after_loading(kv_b_proj)  # vLLM's loader: modules first,
-                layer.process_weights_after_loading(dtype)  # then attention layers (W_UK_T, W_UV)
+                process_attention_weights(layer, dtype)  # then attention layers (W_UK_T, W_UV)
                 layer.bind_kv_cache(cache)
                 layers.append(layer)
     except Exception as exc:

