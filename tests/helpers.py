@@ -115,3 +115,36 @@ def kit_run_problems(stdout: str, skips_allowed: Iterable[str]) -> list[str]:
         if line.startswith("SKIPPED") and not any(reason in line for reason in allowed):
             problems.append(f"unexpected skip: {line}")
     return problems
+
+
+def kit_outcomes(site: Path, cwd: Path, names: Iterable[str], selection: str) -> dict[str, str]:
+    """One fresh-interpreter run of the conformance kit's tests matching ``-k selection`` against the backends
+    ``names`` installed in ``site``, as an author runs it: ``{"test_x[params]": failure text, or "" if passed}``."""
+    backends = ",".join(names)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "-rA",
+            "--attnhost-backend",
+            backends,
+            "-k",
+            selection,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=subprocess_env([site], {"XDG_CACHE_HOME": str(cwd / "xdg"), "COLUMNS": "2000"}),
+        timeout=600,
+    )
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    outcome = {}
+    for line in proc.stdout.splitlines():
+        found = re.match(r"(PASSED|FAILED) \S*::(test_\w+\[[\w-]+\])(?: - (.*))?$", line)
+        if found:
+            outcome[found.group(2)] = (found.group(3) or "?") if found.group(1) == "FAILED" else ""
+    return outcome

@@ -12,8 +12,6 @@ the author the wrong way).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 from distgen import make_dist  # noqa: E402
-from helpers import GROUP, subprocess_env  # noqa: E402
+from helpers import GROUP, kit_outcomes  # noqa: E402
 
 _PLUGIN = '''\
 """Hooks only: one backend per usual mistake."""
@@ -201,33 +199,8 @@ def kit_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cwd = tmp_path_factory.mktemp("author")
     names = ",".join(["right", "noisy", *EXPECTED])
     tests = "test_extend_without_prefix or test_extend_with_cached_prefix"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rA",
-            "--attnhost-backend",
-            names,
-            "-k",
-            tests,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=subprocess_env([site], {"XDG_CACHE_HOME": str(cwd / "xdg"), "COLUMNS": "2000"}),
-        timeout=600,
-    )
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    outcome = {}
-    for line in proc.stdout.splitlines():
-        found = re.match(r"(PASSED|FAILED) \S*::(test_\w+\[\w+\])(?: - (.*))?$", line)
-        if found:
-            outcome[found.group(2)] = (found.group(3) or "?") if found.group(1) == "FAILED" else ""
-    assert len(outcome) == 2 * (2 + len(EXPECTED)), proc.stdout[-4000:]
+    outcome = kit_outcomes(site, cwd, names.split(","), tests)
+    assert len(outcome) == 2 * (2 + len(EXPECTED)), sorted(outcome)
     return outcome
 
 

@@ -10,15 +10,13 @@ condition must pass them (so the failures come from the conditions, not from the
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 from distgen import make_dist  # noqa: E402
-from helpers import GROUP, subprocess_env  # noqa: E402
+from helpers import GROUP, kit_outcomes  # noqa: E402
 
 from attnhost.testing.cases import PRODUCTION_SHAPES  # noqa: E402
 
@@ -150,33 +148,9 @@ def production_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         modules={"attnhost_shapes": _PLUGIN, "attnhost_shapes.impl": _IMPL},
     )
     cwd = tmp_path_factory.mktemp("author")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rA",
-            "--attnhost-backend",
-            ",".join(["right", *CONDITIONS]),
-            "-k",
-            "test_production_shapes",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=subprocess_env([site], {"XDG_CACHE_HOME": str(cwd / "xdg"), "COLUMNS": "2000"}),
-        timeout=600,
-    )
-    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
-    outcome = {}
-    for line in proc.stdout.splitlines():
-        found = re.match(r"(PASSED|FAILED) \S*::test_production_shapes\[([\w-]+)\](?: - (.*))?$", line)
-        if found:
-            outcome[found.group(2)] = (found.group(3) or "?") if found.group(1) == "FAILED" else ""
-    assert len(outcome) == len(PRODUCTION_SHAPES) * (1 + len(CONDITIONS)), proc.stdout[-4000:]
+    runs = kit_outcomes(site, cwd, ["right", *CONDITIONS], "test_production_shapes")
+    outcome = {key.removeprefix("test_production_shapes[")[:-1]: text for key, text in runs.items()}
+    assert len(outcome) == len(PRODUCTION_SHAPES) * (1 + len(CONDITIONS)), sorted(runs)
     return outcome
 
 
