@@ -131,10 +131,22 @@ def test_decode_after_prefill(heads: int, kv_heads: int) -> None:
         assert max_error(out, q, layer, batch) < F32_TOL
 
 
+@pytest.fixture
+def torch_threads() -> Iterator[Callable[[int], None]]:
+    """Set torch's thread count for one test; restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("lens", [[5, 40, 40, 17, 1, 33], [20, 20, 20, 20]])
 @pytest.mark.parametrize("chunk_rows", [1 << 16, 64, 1])
-def test_decode_in_chunks(monkeypatch: pytest.MonkeyPatch, lens: list[int], chunk_rows: int) -> None:
-    """Decode sorts requests by length into padded chunks: one chunk, several, or a request each."""
+def test_decode_in_chunks(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: Callable[[int], None], lens: list[int], chunk_rows: int
+) -> None:
+    """Decode sorts requests by length into padded chunks: one chunk, several, or a request each (on two threads,
+    whatever the run's own count, so the chunks are the head-major ones)."""
+    torch_threads(2)
     row_bytes = 2 * HEAD_DIM * 4  # a float32 cache row: 2 KV heads
     monkeypatch.setattr(torch_native, "_DECODE_CHUNK_BYTES", 2 * chunk_rows * row_bytes)
     torch.manual_seed(11)
@@ -179,14 +191,6 @@ class _HeadSlicedCache:
     ) -> None:
         self.k_buffer(layer_id).index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer(layer_id).index_copy_(0, loc, v.to(self.dtype))
-
-
-@pytest.fixture
-def torch_threads() -> Iterator[Callable[[int], None]]:
-    """Set torch's thread count for one test; restored after it."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("threads", "sliced"), [(2, False), (2, True), (1, False)])

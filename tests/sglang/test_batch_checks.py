@@ -274,7 +274,8 @@ class Boom(TorchNativeAttnBackend):
 
 def test_a_backend_that_raises_inside_a_real_engine_is_named(tiny_model: Any, tmp_path: Path) -> None:
     """In a real ``sglang.Engine`` the scheduler's traceback ends in attnhost's sentence naming the backend,
-    its plugin and distribution, the forward mode and the layer, not in the plugin's bare exception."""
+    its plugin and distribution, the forward mode and the layer, not in the plugin's bare exception. Its engine
+    (a plugin that raises, which ends the driver) is a configuration no other test starts."""
     site = tmp_path / "site"
     make_dist(
         site,

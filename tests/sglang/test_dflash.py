@@ -148,6 +148,8 @@ def _acme_site(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dflash(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> DFlashRuns:
+    """Every DFLASH case's engine (each draft kind, target and draft backend), one after another in one driver
+    process: one of the slow set-ups, engine configurations no other test starts."""
     deepseek = tmp_path_factory.mktemp("tiny-deepseek")
     tm.build_deepseek_model(deepseek, kv_lora_rank=32, qk_rope_head_dim=16, tokenizer_from=tiny_model.path)
     models = {

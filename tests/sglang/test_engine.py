@@ -26,7 +26,8 @@ BACKENDS = {
 
 @pytest.fixture(scope="module")
 def engine_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
-    """Every backend's engine, one after another in one driver process."""
+    """Every backend's engine, one after another in one driver process: one of the slow set-ups, each backend's
+    engine with SGLang's defaults, a configuration no other test starts."""
     return kit_run_engines(
         tiny_model.path,
         tiny_model.prompts,

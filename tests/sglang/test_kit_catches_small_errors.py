@@ -51,6 +51,8 @@ QUIET = ("-k", SELECT, "-p", "no:cacheprovider", "-q", "-rf")
 
 @pytest.fixture(scope="module")
 def kit_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """One run of the engine kit against the three backends together, shared by every test here: one of the slow
+    set-ups, a kit run (and backends) no other test starts."""
     root = tmp_path_factory.mktemp("small-errors")
     entry_points = {GROUP: {"one_percent_off": "mistaken:OnePercentOff", "no_scale": "mistaken:NoScale"}}
     make_dist(root / "site", "mistaken", "0.1", entry_points, modules={"mistaken": _PLUGINS})

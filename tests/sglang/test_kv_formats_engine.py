@@ -44,6 +44,8 @@ def long_model(tiny_model: TinyModel) -> TinyModel:
 
 @pytest.fixture(scope="module")
 def engine_runs(long_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
+    """SGLang's and attnhost's torch_native in pages of 16 and over FP8 caches, one after another in one driver
+    process: one of the slow set-ups, engine configurations no other test starts."""
     runs = [
         {"name": name, "backend": backend, "engine_args": args, "passes": 2 if args is PAGED else 1, "logprobs": True}
         for name, (backend, args) in RUNS.items()

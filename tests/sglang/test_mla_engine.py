@@ -53,6 +53,9 @@ class MLARuns:
 
 @pytest.fixture(scope="module")
 def mla_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> MLARuns:
+    """The DeepSeek-shaped engines (each latent shape, speculative, two ranks, the batched example, a refused
+    draft), one after another in one driver process: one of the slow set-ups, engine configurations no other test
+    starts."""
     models = {}
     for name, (rank, rope) in SHAPES.items():
         path = tmp_path_factory.mktemp(f"tiny-deepseek-{name}")

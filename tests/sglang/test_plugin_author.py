@@ -62,6 +62,8 @@ def _install_and_run(
 
 
 def test_the_guides_plugin_passes_the_engine_kit(tmp_path: Path) -> None:
+    """One of the slow tests: the whole engine kit, whose engine cases start the guide's backend in engines (plain,
+    paged, two ranks, a speculative chain) that no other test starts."""
     proc = _install_and_run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     # registration, every dense case in the three declared dtypes, the verify kit's chains, the engine cases;

@@ -90,6 +90,7 @@ class Server:
 
 @pytest.fixture(params=list(SERVED))
 def server(request: pytest.FixtureRequest, tiny_model: TinyModel, tmp_path: Path) -> Iterator[Server]:
+    """``sglang.launch_server`` with one backend, stopped after the test: a server no other test starts."""
     backend: str = request.param
     port = free_port()
     probe = tmp_path / "probe.jsonl"

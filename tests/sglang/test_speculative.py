@@ -130,6 +130,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def spec_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> EngineRuns:
+    """Every case's speculative engine, one after another in one driver process: one of the slow set-ups, eleven
+    engine configurations (algorithm, tree shape, target and draft backends, draft model) no other test starts."""
     drafts = {kind: tmp_path_factory.mktemp(f"draft-{kind}") for kind in ("random", "copy", "eagle")}
     tm.build_draft_model(drafts["random"], tiny_model.path)
     tm.build_draft_model(drafts["copy"], tiny_model.path, copy_of_target=True)

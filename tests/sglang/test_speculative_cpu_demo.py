@@ -20,6 +20,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "speculative-cpu.md"
 
 
 def test_the_documented_command_runs_a_tree_and_prints_ids_hf_and_acceptance(tmp_path: Path) -> None:
+    """The documented demo, run as a reader would: its engine (a speculative tree by hand on the batched example)
+    is a configuration no other test starts."""
     assert "python -m attnhost_sglang_cpu.speculative_demo --backend acme" in DOC.read_text()
     shell = {"SGLANG_PLATFORM": "cuda", "TRITON_INTERPRET": "0", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     demo = ("-m", "attnhost_sglang_cpu.speculative_demo", "--backend", "batched_matmul", "--topk", "2")

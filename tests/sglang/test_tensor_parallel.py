@@ -62,6 +62,8 @@ def run_id(backend: str, tp: int) -> str:
 
 @pytest.fixture(scope="module")
 def tp_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> TpRuns:
+    """Each backend's ``tp_size=2`` engine and the built-in's ``tp_size=1`` one (the ranks' CPU binding set), one
+    after another in one driver process: one of the slow set-ups, engine configurations no other test starts."""
     probes_dir = tmp_path_factory.mktemp("tp-probes")
     runs = [
         {
@@ -127,7 +129,8 @@ class Node:
 
 @pytest.fixture(scope="module")
 def disagreeing_nodes(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> list[Node]:
-    """Start both nodes of a two-node, tp_size=2 engine whose ranks see different plugins; wait for both."""
+    """Start both nodes of a two-node, tp_size=2 engine whose ranks see different plugins; wait for both (a
+    configuration no other test starts: each node a fresh driver, as the failure must end both)."""
     acme_site = tmp_path_factory.mktemp("node0-only-site")
     make_dist(
         acme_site,

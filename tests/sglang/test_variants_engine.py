@@ -60,6 +60,8 @@ class VariantRuns:
 
 @pytest.fixture(scope="module")
 def variant_runs(tiny_model: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> VariantRuns:
+    """The variant models' engines (Gemma 2, Gemma 3, gpt-oss, Mistral; plain, paged and speculative), one after
+    another in one driver process: one of the slow set-ups, engine configurations no other test starts."""
     models = {
         kind: vm.prepare_variant_model(
             kind, tmp_path_factory.mktemp(f"tiny-{kind}"), NEW_TOKENS, tokenizer_from=tiny_model.path

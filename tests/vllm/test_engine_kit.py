@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from attnhost_vllm_cpu.forward import BATCHES, BLOCK_SIZES, DTYPES, SHAPES
@@ -181,9 +182,34 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
     assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
 
 
+def outcomes_by_backend(junit: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Per backend, how many of its cases passed, failed or skipped, from pytest's JUnit report of a run naming
+    several backends (each case's id leads with its backend's name: ``test_forward[tiny-decode-...]``)."""
+    found: dict[str, dict[str, int]] = {name: {} for name in names}
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        backend = re.split(r"[-\]]", case.get("name", "").partition("[")[2], maxsplit=1)[0]
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        word = {"failure": "failed", "error": "errors"}.get(outcome, outcome)
+        tally = found.setdefault(backend, {})
+        tally[word] = tally.get(word, 0) + 1
+    return found
+
+
+@pytest.fixture(scope="module")
+def projects_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, dict[str, int]]]:
+    """The one command naming every project backend at once, as an operator checks what they installed: one
+    pytest and one import of vLLM for the four (the cases are the same as four runs of one name each). One of the
+    slow set-ups: the whole kit over four backends, a run no other test starts."""
+    cwd = tmp_path_factory.mktemp("projects")
+    status, output = one_command(PROJECT_BACKENDS, cwd, f"--junitxml={cwd / 'junit.xml'}")
+    return status, output, outcomes_by_backend(cwd / "junit.xml", PROJECT_BACKENDS)
+
+
 @pytest.mark.parametrize("name", PROJECT_BACKENDS)
-def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: Path) -> None:
-    status, output = one_command([name], tmp_path)
+def test_the_one_command_passes_for_the_projects_backends(
+    name: str, projects_run: tuple[int, str, dict[str, dict[str, int]]]
+) -> None:
+    status, output, by_backend = projects_run
     assert status == 0, output[-4000:]
     skipped = (
         (0 if name in MLA_BACKENDS else MLA_CASES)
@@ -192,7 +218,10 @@ def test_the_one_command_passes_for_the_projects_backends(name: str, tmp_path: P
         + (0 if name in GRAPH_BACKENDS else GRAPH_CASES)
     )
     expected = {"passed": ALL_DTYPES - skipped, **({"skipped": skipped} if skipped else {})}
-    assert counts(output) == expected, output[-2000:]
+    assert by_backend[name] == expected, output[-2000:]
+    summary = counts(output)
+    reported = sum(sum(found.values()) for found in by_backend.values())
+    assert reported == summary.get("passed", 0) + summary.get("skipped", 0), f"JUnit {by_backend}, summary {summary}"
 
 
 def test_wrong_numerics_fail_naming_the_backend_the_case_and_the_error(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from attnhost_vllm_engine_cpu.engines import (
     NEW_TOKENS,
     Models,
     Outcome,
-    build_models,
     paths_seen,
     run_engines,
 )
@@ -37,11 +36,6 @@ from attnhost.engines.vllm.names import vllm_name
 BLOCK = 16
 FP8 = "fp8"  # vLLM's name for e4m3
 COMPILED = "cpu_paged"
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
-    return build_models(tmp_path_factory.mktemp("vllm-engine-models"))
 
 
 @pytest.fixture(scope="module")

@@ -182,6 +182,21 @@ def kit_paged_model(kit_model: TinyModel) -> TinyModel:
     return TinyModel(kit_model.path, prompts, tm.hf_greedy(kit_model.path, prompts, NEW_TOKENS))
 
 
+@pytest.fixture(scope="session")
+def kit_variant_models(tmp_path_factory: pytest.TempPathFactory, kit_model: TinyModel) -> Callable[[str], TinyModel]:
+    """The variant model of a kind with HF's greedy ids, built when a case first asks for it and shared by every
+    case and backend after (each build checks in HF that each of the model's features changes the ids)."""
+    built: dict[str, TinyModel] = {}
+
+    def model(kind: str) -> TinyModel:
+        if kind not in built:
+            out = tmp_path_factory.mktemp(f"attnhost-kit-{kind}")
+            built[kind] = vm.prepare_variant_model(kind, out, NEW_TOKENS, tokenizer_from=kit_model.path)
+        return built[kind]
+
+    return model
+
+
 def _skip_unless_page(name: str, page: int) -> None:
     """Skip, naming the backend and the size, a case in pages the backend does not declare (the adapter would
     refuse it when the runner builds it)."""
@@ -470,10 +485,10 @@ class TestSGLangEngine:
 
     @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
     def test_engine_variant_model_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kind: str, kit_model: TinyModel, tmp_path: Path
+        self, attnhost_backend_name: str, kind: str, kit_variant_models: Callable[[str], TinyModel], tmp_path: Path
     ) -> None:
         _skip_unless_variants(attnhost_backend_name, kind)
-        model = vm.prepare_variant_model(kind, tmp_path / kind, NEW_TOKENS, tokenizer_from=kit_model.path)
+        model = kit_variant_models(kind)
         backend = sglang_name(attnhost_backend_name)
         runs = run_engines(
             model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "passes": 2}], tmp_path, env=SPECULATIVE_ENV
@@ -488,11 +503,11 @@ class TestSGLangEngine:
 
     @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
     def test_engine_variant_model_paged_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kind: str, kit_model: TinyModel, tmp_path: Path
+        self, attnhost_backend_name: str, kind: str, kit_variant_models: Callable[[str], TinyModel], tmp_path: Path
     ) -> None:
         _skip_unless_variants(attnhost_backend_name, kind)
         _skip_unless_page(attnhost_backend_name, PAGE)
-        model = vm.prepare_variant_model(kind, tmp_path / kind, NEW_TOKENS, tokenizer_from=kit_model.path)
+        model = kit_variant_models(kind)
         backend = sglang_name(attnhost_backend_name)
         case = f"tiny {kind} greedy ids (--page-size {PAGE})"
         runners = _paged_engine(model, backend, case, tmp_path, env=SPECULATIVE_ENV)

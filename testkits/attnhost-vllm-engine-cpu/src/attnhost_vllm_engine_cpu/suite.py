@@ -21,8 +21,9 @@ on the kit's CPU platform, and checks:
 vLLM has no list of draft-capable backends: any registered one may be the
 speculative config's ``attention_backend``, so the drafter cases run for
 every backend. A backend's single-rank runs share a driver process per group
-(generation, speculative decoding): one import of vLLM per group, and only
-the groups the selected cases need.
+(generation, speculative decoding), each engine's core in that process (vLLM's
+``InprocClient``): one import of vLLM per group, and only the groups the
+selected cases need. Tensor parallelism starts its ranks as vLLM does.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Any, ClassVar
 import pytest
 
 from attnhost_vllm_engine_cpu.engines import (
+    IN_PROCESS,
+    TIMEOUT,
     Models,
     Outcome,
     batches_seen,
@@ -90,7 +93,8 @@ def _single_rank(name: str, models: Models, tmp: pytest.TempPathFactory, run: st
     group = next(g for g, runs in GROUPS.items() if run in runs)
     if (name, group) not in _outcomes:
         workdir = tmp.getbasetemp() / f"vllm-engine-{name}-{group}"
-        _outcomes[name, group] = run_engines(models.target, _group_runs(name, models, group), workdir)
+        runs = _group_runs(name, models, group)
+        _outcomes[name, group] = run_engines(models.target, runs, workdir, TIMEOUT, **IN_PROCESS)
     outcome = _outcomes[name, group]
     i = GROUPS[group].index(run)
     result = outcome.result(i, f"vLLM engine run {run!r} with attnhost backend {name!r}")
