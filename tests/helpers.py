@@ -117,24 +117,18 @@ def kit_run_problems(stdout: str, skips_allowed: Iterable[str]) -> list[str]:
     return problems
 
 
+def pytest_command(*args: str) -> list[str]:
+    """``python -m pytest -p no:cacheprovider -q ARGS`` with this interpreter: pytest in a fresh process, as a plugin
+    author runs it from their own directory (no cache directory left behind there)."""
+    return [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args]
+
+
 def kit_outcomes(site: Path, cwd: Path, names: Iterable[str], selection: str) -> dict[str, str]:
     """One fresh-interpreter run of the conformance kit's tests matching ``-k selection`` against the backends
     ``names`` installed in ``site``, as an author runs it: ``{"test_x[params]": failure text, or "" if passed}``."""
     backends = ",".join(names)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rA",
-            "--attnhost-backend",
-            backends,
-            "-k",
-            selection,
-        ],
+        pytest_command("-rA", "--attnhost-backend", backends, "-k", selection),
         capture_output=True,
         text=True,
         cwd=cwd,

@@ -15,7 +15,6 @@ import importlib.metadata
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
@@ -25,6 +24,7 @@ from attnhost_vllm_cpu.suite import CACHE_CASES as KIT_CACHE_CASES
 from attnhost_vllm_cpu.suite import MLA_CASES as KIT_MLA_CASES
 from attnhost_vllm_cpu.suite import VARIANT_CASES as KIT_VARIANT_CASES
 from distgen import make_dist
+from helpers import pytest_command
 
 KIT = "attnhost-vllm-cpu"
 #: per backend: registration, name mapping, no takeover, parser/VllmConfig, spawned process (5); the forward
@@ -128,19 +128,7 @@ def one_command(names: list[str], cwd: Path, *extra: str, path_entries: tuple[Pa
     """``python -m pytest --attnhost-backend ... --attnhost-engine vllm EXTRA`` in ``cwd``; exit status and output."""
     args = [arg for name in names for arg in ("--attnhost-backend", name)]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "-rfs",
-            *args,
-            "--attnhost-engine",
-            "vllm",
-            *extra,
-        ],
+        pytest_command("-rfs", *args, "--attnhost-engine", "vllm", *extra),
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -172,7 +160,7 @@ def test_installed_it_stays_out_of_every_other_pytest_run(tmp_path: Path) -> Non
         "    assert not {'attnhost_vllm_cpu', 'vllm'} & set(sys.modules), sorted(sys.modules)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_other.py"],
+        pytest_command("test_other.py"),
         capture_output=True,
         text=True,
         cwd=tmp_path,

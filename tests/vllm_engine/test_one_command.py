@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("attnhost_vllm_engine_cpu", reason="the test-only vLLM CPU engine kit is not installed")
+
+from helpers import pytest_command
 
 
 def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:
@@ -25,13 +26,7 @@ def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:
         str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
     )
     env["COLUMNS"] = "1000"
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-q",
+    command = pytest_command(
         "--attnhost-backend",
         "torch_native",
         "--attnhost-engine",
@@ -40,7 +35,7 @@ def test_one_command_runs_the_real_engine_cases(tmp_path: Path) -> None:
         "TestVllmCpuEngine",
         "--basetemp",
         str(tmp_path / "base"),
-    ]
+    )
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
     assert proc.returncode == 0 and re.search(r"\b5 passed\b", summary), proc.stdout[-6000:] + proc.stderr[-2000:]
