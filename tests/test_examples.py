@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 from helpers import kit_run_problems, list_json, run_cli, run_python, subprocess_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+BUILD_ONCE = EXAMPLES.parent / "tools" / "install_built_once.py"
 # backend name -> (example directory, distribution, version, plugin name)
 BACKENDS = {
     "batched_matmul": ("attnhost-batched", "attnhost-batched", "0.2.0", "batched"),
@@ -52,8 +54,13 @@ def torch_version() -> str:
 
 
 def _pip(*args: str, cwd: Path) -> None:
+    _run([sys.executable, "-m", "pip", *args, "--no-deps", "--disable-pip-version-check", "--no-input", "-q"], cwd=cwd)
+
+
+def _run(command: list[str], *, cwd: Path) -> None:
+    """Run a build or install step without an index, failing the test with its output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", *args, "--no-deps", "--disable-pip-version-check", "--no-input", "-q"],
+        command,
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -74,21 +81,23 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def site(sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The examples built as wheels (one pip call; the compiled one against this env's torch, about 40 s on two
-    cores) and installed into one target directory."""
+    """The examples built as wheels and installed into one target directory. The compiled one (built against this
+    env's torch, about 40 s on two cores) goes through ``tools/install_built_once.py``, as the engine environments
+    install it: under tox its cache is the run's (``ATTNHOST_TEST_BUILT_ONCE``), so this build is the one they reuse;
+    elsewhere a temporary one, so it is built here."""
     wheels = tmp_path_factory.mktemp("wheels")
     target = tmp_path_factory.mktemp("site")
-    _pip(
-        "wheel",
-        "--no-build-isolation",
-        "-w",
-        str(wheels),
-        *[str(sources / directory) for directory, *_ in BUILT.values()],
-        cwd=sources,
-    )
+    pure = [directory for name, (directory, *_) in BUILT.items() if name != "cpu_paged"]
+    _pip("wheel", "--no-build-isolation", "-w", str(wheels), *[str(sources / d) for d in pure], cwd=sources)
     built = sorted(wheels.glob("*.whl"))
-    assert [w.name.split("-")[0] for w in built] == sorted(dist.replace("-", "_") for _, dist, *_ in BUILT.values())
+    assert [w.name.split("-")[0] for w in built] == sorted(d.replace("-", "_") for d in pure)
     _pip("install", "--target", str(target), *map(str, built), cwd=wheels)
+    if "cpu_paged" in BUILT:
+        cache = os.environ.get("ATTNHOST_TEST_BUILT_ONCE") or str(tmp_path_factory.mktemp("built-once"))
+        project = sources / BUILT["cpu_paged"][0]
+        _run([sys.executable, str(BUILD_ONCE), cache, str(project), "--target", str(target)], cwd=sources)
+    installed = sorted(p.name.split("-")[0] for p in target.glob("*.dist-info"))
+    assert installed == sorted(dist.replace("-", "_") for _, dist, *_ in BUILT.values()), installed
     return target
 
 

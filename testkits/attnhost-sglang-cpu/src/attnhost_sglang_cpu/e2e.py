@@ -1,22 +1,27 @@
 """TEST-ONLY: run engine jobs through the driver and read what the probe recorded.
 
-:func:`run_engines` runs :mod:`attnhost_sglang_cpu.run_engine` in a fresh
-interpreter and process group with every run of a job, engine after engine.
-A run whose scheduler crashes takes SGLang's driver down with it (SGLang kills
-its process tree on a child's failure), so the driver is started again for
-the runs after it; the crashed run reports the driver's exit and stderr.
+:class:`EngineDriver` keeps :mod:`attnhost_sglang_cpu.run_engine` running in a fresh interpreter and process
+group and hands it jobs, engine after engine; :func:`run_engines` runs one job in a driver of its own. A run whose
+scheduler crashes takes SGLang's driver down with it (SGLang kills its process tree on a child's failure), so the
+driver is started again for the runs after it; the crashed run reports the driver's exit and stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
+import subprocess
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import IO, Any
 
 from attnhost_sglang_cpu import driver_command, sglang_env
-from attnhost_sglang_cpu.procs import Finished, run_in_group
+from attnhost_sglang_cpu.procs import Finished, describe, kill_group, wait_group_empty
 
 #: SGLang's own class for its torch_native, and attnhost's adapter for every attnhost backend.
 SGLANG_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
@@ -42,6 +47,155 @@ class EngineRuns:
     probes: dict[str, Path]  # by run name
 
 
+class EngineDriver:
+    """One ``run_engine`` driver process kept for many jobs (each start imports SGLang, seconds here), in its own
+    process group, started at its first job and again after a run that ended it. ``finished`` holds each driver
+    process that ended, with what it printed and what it left behind."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env = dict(env)
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stdout: list[str] = []
+        self._stderr: list[str] = []
+        self._readers: list[threading.Thread] = []
+        self.finished: list[Finished] = []
+
+    def __enter__(self) -> EngineDriver:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def run(
+        self,
+        model: Path,
+        prompts: list[list[int]],
+        new_tokens: int,
+        runs: Sequence[Mapping[str, Any]],
+        probes_dir: Path,
+        timeout: float = 540,
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
+        """Run each of *runs* (``{"name", "backend", "engine_args", "env"}``, see run_engine) and return each one's
+        result and probe file by name. Over *timeout* for the job, the driver's process group is killed and the
+        job fails."""
+        by_name = {run.get("name", run["backend"]): dict(run) for run in runs}
+        probes = {name: probes_dir / f"{name}.jsonl" for name in by_name}
+        results: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        remaining = list(by_name)
+        while remaining:
+            if self._proc is not None and self._proc.poll() is not None:
+                self._finish()  # a run of the last job ended it after its result
+            reused = self._proc is not None
+            proc = self._proc or self._start()
+            job = {
+                "model": str(model),
+                "prompts": prompts,
+                "new_tokens": new_tokens,
+                "runs": [{**by_name[name], "name": name, "probe": str(probes[name])} for name in remaining],
+            }
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # it ended since: seen below as the end of its output
+                proc.stdin.write(json.dumps(job) + "\n")
+                proc.stdin.flush()
+            answered = 0
+            for _ in remaining:
+                record = self._next_record(deadline, timeout)
+                if record is None:
+                    break
+                results[record["name"]] = record
+                answered += 1
+            missing = [name for name in remaining if name not in results]
+            if missing:
+                ended = self._finish()
+                if reused and not answered:
+                    continue  # it was ending when the job came (a run of the last job ended it): a new driver
+                results[missing[0]] = {
+                    "name": missing[0],
+                    "backend": by_name[missing[0]]["backend"],
+                    "error": f"the engine driver died (exit status {ended.returncode}):\n{ended.stderr[-4000:]}",
+                }
+            remaining = missing[1:]
+        return results, probes
+
+    def close(self) -> None:
+        """End the driver (it finishes when its stdin closes) and record what it left behind."""
+        if self._proc is not None:
+            self._finish()
+
+    def _start(self) -> subprocess.Popen[str]:
+        self._lines = queue.Queue()
+        self._stdout, self._stderr = [], []
+        proc = subprocess.Popen(
+            driver_command("run_engine", "-"),
+            env=self._env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        self._readers = [
+            threading.Thread(target=_read_lines, args=(proc.stdout, self._stdout, self._lines), daemon=True),
+            threading.Thread(target=_read_lines, args=(proc.stderr, self._stderr, None), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        self._proc = proc
+        return proc
+
+    def _next_record(self, deadline: float, timeout: float) -> dict[str, Any] | None:
+        """The driver's next result line, or ``None`` once its output ends (the driver exited)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                assert self._proc is not None
+                kill_group(self._proc.pid)
+                ended = self._finish()
+                raise AssertionError(
+                    f"run_engine ran over {timeout:.0f} s; its process group was killed.\n{ended.stderr[-3000:]}"
+                ) from None
+            if line is None:
+                return None
+            if line.startswith("{"):
+                record: dict[str, Any] = json.loads(line)
+                return record
+
+    def _finish(self) -> Finished:
+        proc, self._proc = self._proc, None
+        assert proc is not None and proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        try:
+            returncode = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            returncode = proc.wait()
+        left = wait_group_empty(proc.pid, timeout=30)
+        if left:
+            kill_group(proc.pid)
+        for reader in self._readers:
+            reader.join(timeout=30)
+        ended = Finished(returncode, "".join(self._stdout), "".join(self._stderr), proc.pid, describe(left))
+        self.finished.append(ended)
+        return ended
+
+
+def _read_lines(stream: IO[str], kept: list[str], lines: queue.Queue[str | None] | None) -> None:
+    """Keep every line of *stream* and pass each on to *lines*, then ``None`` when the stream ends."""
+    for line in stream:
+        kept.append(line)
+        if lines is not None:
+            lines.put(line)
+    if lines is not None:
+        lines.put(None)
+
+
 def run_engines(
     model: Path,
     prompts: list[list[int]],
@@ -53,36 +207,10 @@ def run_engines(
     path_entries: Sequence[str] = (),
     timeout: float = 540,
 ) -> EngineRuns:
-    """Run each of *runs* (``{"name", "backend", "engine_args", "env"}``, see run_engine) in one driver process."""
-    by_name = {run.get("name", run["backend"]): dict(run) for run in runs}
-    probes = {name: probes_dir / f"{name}.jsonl" for name in by_name}
-    results: dict[str, dict[str, Any]] = {}
-    drivers: list[Finished] = []
-    remaining = list(by_name)
-    while remaining:
-        job = {
-            "model": str(model),
-            "prompts": prompts,
-            "new_tokens": new_tokens,
-            "runs": [{**by_name[name], "name": name, "probe": str(probes[name])} for name in remaining],
-        }
-        done = run_in_group(
-            driver_command("run_engine", json.dumps(job)), sglang_env(env, path_entries=path_entries), timeout=timeout
-        )
-        drivers.append(done)
-        for line in done.stdout.splitlines():
-            if line.startswith("{"):
-                record = json.loads(line)
-                results[record["name"]] = record
-        missing = [name for name in remaining if name not in results]
-        if missing:
-            results[missing[0]] = {
-                "name": missing[0],
-                "backend": by_name[missing[0]]["backend"],
-                "error": f"the engine driver died (exit status {done.returncode}):\n{done.stderr[-4000:]}",
-            }
-        remaining = missing[1:]
-    return EngineRuns(drivers, results, probes)
+    """Run each of *runs* (``{"name", "backend", "engine_args", "env"}``, see run_engine) in a driver of their own."""
+    with EngineDriver(sglang_env(env, path_entries=path_entries)) as driver:
+        results, probes = driver.run(model, prompts, new_tokens, runs, probes_dir, timeout)
+    return EngineRuns(driver.finished, results, probes)
 
 
 def read_probe(path: Path) -> list[dict[str, Any]]:

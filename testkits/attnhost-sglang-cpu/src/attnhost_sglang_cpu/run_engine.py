@@ -1,6 +1,8 @@
 """TEST-ONLY: run real ``sglang.Engine`` generations one after another and print each one's greedy ids.
 
-``python -m attnhost_sglang_cpu.run_engine JOB_JSON`` where the job is
+``python -m attnhost_sglang_cpu.run_engine JOB_JSON`` runs one job; ``python -m attnhost_sglang_cpu.run_engine -``
+runs each job read from stdin, one JSON line each, until stdin closes (one driver kept for many jobs: each driver
+start imports SGLang, seconds here). A job is
 ``{"model": DIR, "prompts": [[ids]], "new_tokens": N, "runs": [RUN, ...]}`` and
 each run is ``{"name": ID, "backend": NAME, "probe": FILE, "engine_args": {...},
 "env": {...}, "model": DIR, "prompts": [[ids]], "passes": N, "logprobs": BOOL}`` (``name`` defaults to the backend;
@@ -123,8 +125,19 @@ def run_one(
 
 
 def main(argv: list[str]) -> int:
-    job = json.loads(argv[0])
     base_env = dict(os.environ)
+    if argv == ["-"]:
+        for line in sys.stdin:
+            if line.strip():
+                run_job(json.loads(line), base_env)
+    else:
+        run_job(json.loads(argv[0]), base_env)
+    return 0
+
+
+def run_job(job: dict[str, Any], base_env: dict[str, str]) -> None:
+    """Run each of the job's runs, one engine after another, each in *base_env* plus its own ``env``, and print
+    one JSON line per run."""
     for run in job["runs"]:
         os.environ.clear()
         os.environ.update(base_env)
@@ -145,7 +158,6 @@ def main(argv: list[str]) -> int:
             result["error"] = traceback.format_exc(limit=8)
         result["driver_pid"] = os.getpid()
         print(json.dumps(result), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

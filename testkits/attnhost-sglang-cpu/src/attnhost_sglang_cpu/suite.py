@@ -52,7 +52,9 @@ parametrizes :class:`TestSGLangEngine` with the backend names given. Not named
 
 SGLang runs in this process for the first two (plugins loaded by SGLang's own
 ``load_plugins()``) and in spawned engine processes on the kit's CPU platform
-for the rest. A failure is its message alone (``pytest.fail(...,
+for the rest, every engine case's engine in turn in one driver process for the
+session (:class:`~attnhost_sglang_cpu.e2e.EngineDriver`, started again after a
+crash). A failure is its message alone (``pytest.fail(...,
 pytrace=False)``), naming the backend, the case and the size of the error or
 the first differing position: the kit's and SGLang's frames would bury it, a
 backend failing every case in screens of them.
@@ -61,13 +63,13 @@ backend failing every case in screens of them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from attnhost_sglang_cpu import SPECULATIVE_ENV, shim
+from attnhost_sglang_cpu import SPECULATIVE_ENV, sglang_env, shim
 
 shim.install()
 
@@ -88,11 +90,11 @@ from attnhost_sglang_cpu.dflash_plugin import resolver_calls, verify_rows  # noq
 from attnhost_sglang_cpu.e2e import (  # noqa: E402
     ADAPTER,
     SGLANG_SWA_POOL,
+    EngineDriver,
     TinyModel,
     engine_failure,
     ids_mismatch,
     read_probe,
-    run_engines,
     speculative_summary,
 )
 from attnhost_sglang_cpu.mla_kit import ROPE_DIMS, mla_cases, run_mla_case  # noqa: E402
@@ -197,6 +199,15 @@ def kit_variant_models(tmp_path_factory: pytest.TempPathFactory, kit_model: Tiny
     return model
 
 
+@pytest.fixture(scope="session")
+def kit_engine_driver() -> Iterator[EngineDriver]:
+    """One engine driver for every engine case of the session, each backend's, one engine after another as a
+    user's script would run them: a driver's start imports SGLang, about as long as a tiny engine's run here. A run
+    that ends the driver (a crashed engine) gets a new one for the next case."""
+    with EngineDriver(sglang_env()) as driver:
+        yield driver
+
+
 def _skip_unless_page(name: str, page: int) -> None:
     """Skip, naming the backend and the size, a case in pages the backend does not declare (the adapter would
     refuse it when the runner builds it)."""
@@ -229,6 +240,7 @@ def _kit_failure(check: Callable[[], None]) -> str | None:
 
 
 def _engine(
+    driver: EngineDriver,
     model: TinyModel,
     backend: str,
     case: str,
@@ -237,15 +249,10 @@ def _engine(
     passes: int = 1,
     **engine_args: Any,
 ) -> tuple[dict[str, Any], Path]:
-    runs = run_engines(
-        model.path,
-        model.prompts,
-        NEW_TOKENS,
-        [{"backend": backend, "passes": passes, "engine_args": engine_args}],
-        tmp,
-        env=env if env is not None else (SPECULATIVE_ENV if engine_args else None),
-    )
-    result = runs.results[backend]
+    extra = env if env is not None else (SPECULATIVE_ENV if engine_args else {})
+    run = {"backend": backend, "passes": passes, "engine_args": engine_args, "env": extra}
+    results, probes = driver.run(model.path, model.prompts, NEW_TOKENS, [run], tmp)
+    result = results[backend]
     if "error" in result:
         refusal = _sglang_refusal(result["error"])
         if refusal is not None:
@@ -254,7 +261,7 @@ def _engine(
                 f"backend: {refusal}"
             )
         pytest.fail(engine_failure(backend, case, result["error"]), pytrace=False)
-    return result, runs.probes[backend]
+    return result, probes[backend]
 
 
 def _sglang_refusal(error: str) -> str | None:
@@ -266,12 +273,18 @@ def _sglang_refusal(error: str) -> str | None:
 
 
 def _paged_engine(
-    model: TinyModel, backend: str, case: str, tmp: Path, env: dict[str, str] | None = None, **engine_args: Any
+    driver: EngineDriver,
+    model: TinyModel,
+    backend: str,
+    case: str,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    **engine_args: Any,
 ) -> list[dict[str, Any]]:
     """An engine run in pages of :data:`PAGE` on prompts whose last page is part filled, a first and a
     prefix-cached pass: HF's greedy ids in both, and every runner's adapter handed a cache in pages of
     :data:`PAGE`. Returns the runner records of the probe, for the case's own checks."""
-    result, probe = _engine(model, backend, case, tmp, env, passes=2, page_size=PAGE, **engine_args)
+    result, probe = _engine(driver, model, backend, case, tmp, env, passes=2, page_size=PAGE, **engine_args)
     _same_ids(backend, case, result, model)
     _same_ids(backend, f"{case}, prefix-cached pass", result["later_passes"][0], model)
     runners = [r for r in read_probe(probe) if r["event"] == "runner"]
@@ -371,37 +384,41 @@ class TestSGLangEngine:
         _skip_unless_dtype(attnhost_backend_name, dtype)
         _short(lambda: run_mla_case(mla_cases(sglang_name(attnhost_backend_name))[case_index], dtype, rope))
 
-    def test_engine_greedy_ids_equal_hf(self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path) -> None:
+    def test_engine_greedy_ids_equal_hf(
+        self, attnhost_backend_name: str, kit_model: TinyModel, kit_engine_driver: EngineDriver, tmp_path: Path
+    ) -> None:
         backend = sglang_name(attnhost_backend_name)
-        result, probe = _engine(kit_model, backend, "engine greedy ids", tmp_path)
+        result, probe = _engine(kit_engine_driver, kit_model, backend, "engine greedy ids", tmp_path)
         _same_ids(backend, "engine greedy ids", result, kit_model)
         built = {r["backend_class"] for r in read_probe(probe) if r["event"] == "runner"}
         assert built == {ADAPTER}, f"the model runner built {built}, not attnhost's adapter"
 
     def test_engine_paged_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kit_paged_model: TinyModel, tmp_path: Path
+        self, attnhost_backend_name: str, kit_paged_model: TinyModel, kit_engine_driver: EngineDriver, tmp_path: Path
     ) -> None:
         _skip_unless_page(attnhost_backend_name, PAGE)
         backend = sglang_name(attnhost_backend_name)
-        _paged_engine(kit_paged_model, backend, f"engine greedy ids (--page-size {PAGE})", tmp_path, env={})
+        _paged_engine(
+            kit_engine_driver, kit_paged_model, backend, f"engine greedy ids (--page-size {PAGE})", tmp_path, env={}
+        )
 
     def test_tensor_parallel_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kit_model: TinyModel, tmp_path: Path
+        self, attnhost_backend_name: str, kit_model: TinyModel, kit_engine_driver: EngineDriver, tmp_path: Path
     ) -> None:
         backend = sglang_name(attnhost_backend_name)
         case = "tensor-parallel greedy ids (tp_size=2)"
-        result, probe = _engine(kit_model, backend, case, tmp_path, env=RANK_CPUS, tp_size=2)
+        result, probe = _engine(kit_engine_driver, kit_model, backend, case, tmp_path, env=RANK_CPUS, tp_size=2)
         _same_ids(backend, case, result, kit_model)
         ranks = {r["pid"] for r in read_probe(probe) if r["event"] == "runner" and r["backend_class"] == ADAPTER}
         assert len(ranks) == 2, f"attnhost's adapter ran in {len(ranks)} rank process(es), not 2"
 
     def test_tensor_parallel_paged_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kit_paged_model: TinyModel, tmp_path: Path
+        self, attnhost_backend_name: str, kit_paged_model: TinyModel, kit_engine_driver: EngineDriver, tmp_path: Path
     ) -> None:
         _skip_unless_page(attnhost_backend_name, PAGE)
         backend = sglang_name(attnhost_backend_name)
         case = f"tensor-parallel greedy ids (tp_size=2, --page-size {PAGE})"
-        runners = _paged_engine(kit_paged_model, backend, case, tmp_path, env=RANK_CPUS, tp_size=2)
+        runners = _paged_engine(kit_engine_driver, kit_paged_model, backend, case, tmp_path, env=RANK_CPUS, tp_size=2)
         ranks = {r["pid"] for r in runners if r["backend_class"] == ADAPTER}
         if len(ranks) != 2:
             pytest.fail(
@@ -420,6 +437,7 @@ class TestSGLangEngine:
         kit_model: TinyModel,
         kit_paged_model: TinyModel,
         kit_draft: Path,
+        kit_engine_driver: EngineDriver,
         tmp_path: Path,
     ) -> None:
         if topk > 1:
@@ -431,12 +449,17 @@ class TestSGLangEngine:
         args = speculative_args(str(kit_draft), topk=topk)
         if page > 1:
             case, args, kit_model = f"{case[:-1]}, --page-size {page})", {**args, "page_size": page}, kit_paged_model
-        result, probe = _engine(kit_model, backend, case, tmp_path, **args)
+        result, probe = _engine(kit_engine_driver, kit_model, backend, case, tmp_path, **args)
         modes = {"target": {"EXTEND", "TARGET_VERIFY"}, "draft": {"DRAFT_EXTEND_V2", "DECODE"}}
         _speculated(backend, case, result, kit_model, probe, modes)
 
     def test_engine_dflash_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kit_model: TinyModel, kit_dflash_draft: Path, tmp_path: Path
+        self,
+        attnhost_backend_name: str,
+        kit_model: TinyModel,
+        kit_dflash_draft: Path,
+        kit_engine_driver: EngineDriver,
+        tmp_path: Path,
     ) -> None:
         if not getattr(_capabilities(attnhost_backend_name), "non_causal", False):
             pytest.skip(
@@ -453,7 +476,7 @@ class TestSGLangEngine:
             num_draft_tokens=dm.BLOCK_SIZE,
             draft_backend=backend,
         )
-        result, probe = _engine(kit_model, backend, case, tmp_path, **args)
+        result, probe = _engine(kit_engine_driver, kit_model, backend, case, tmp_path, **args)
         # a DFlash draft runs its block only (TARGET_VERIFY): its context K/V are written without attention
         records = _speculated(
             backend, case, result, kit_model, probe, {"target": {"EXTEND", "TARGET_VERIFY"}, "draft": {"TARGET_VERIFY"}}
@@ -485,15 +508,19 @@ class TestSGLangEngine:
 
     @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
     def test_engine_variant_model_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kind: str, kit_variant_models: Callable[[str], TinyModel], tmp_path: Path
+        self,
+        attnhost_backend_name: str,
+        kind: str,
+        kit_variant_models: Callable[[str], TinyModel],
+        kit_engine_driver: EngineDriver,
+        tmp_path: Path,
     ) -> None:
         _skip_unless_variants(attnhost_backend_name, kind)
         model = kit_variant_models(kind)
         backend = sglang_name(attnhost_backend_name)
-        runs = run_engines(
-            model.path, model.prompts, NEW_TOKENS, [{"backend": backend, "passes": 2}], tmp_path, env=SPECULATIVE_ENV
-        )
-        result = runs.results[backend]
+        run = {"backend": backend, "passes": 2, "env": SPECULATIVE_ENV}
+        results, _ = kit_engine_driver.run(model.path, model.prompts, NEW_TOKENS, [run], tmp_path)
+        result = results[backend]
         assert "error" not in result, f"sglang.Engine, tiny {kind} on {backend!r}, failed:\n{result['error']}"
         passes = [result["output_ids"], *(later["output_ids"] for later in result["later_passes"])]
         assert passes == [model.hf_ids, model.hf_ids], (
@@ -503,14 +530,19 @@ class TestSGLangEngine:
 
     @pytest.mark.parametrize("kind", vm.VARIANT_MODELS)
     def test_engine_variant_model_paged_greedy_ids_equal_hf(
-        self, attnhost_backend_name: str, kind: str, kit_variant_models: Callable[[str], TinyModel], tmp_path: Path
+        self,
+        attnhost_backend_name: str,
+        kind: str,
+        kit_variant_models: Callable[[str], TinyModel],
+        kit_engine_driver: EngineDriver,
+        tmp_path: Path,
     ) -> None:
         _skip_unless_variants(attnhost_backend_name, kind)
         _skip_unless_page(attnhost_backend_name, PAGE)
         model = kit_variant_models(kind)
         backend = sglang_name(attnhost_backend_name)
         case = f"tiny {kind} greedy ids (--page-size {PAGE})"
-        runners = _paged_engine(model, backend, case, tmp_path, env=SPECULATIVE_ENV)
+        runners = _paged_engine(kit_engine_driver, model, backend, case, tmp_path, env=SPECULATIVE_ENV)
         pools = sorted({r["kv_pool_class"] for r in runners if not r["is_draft_worker"]})
         if (pools == [SGLANG_SWA_POOL]) != (kind in HYBRID_POOL_MODELS):
             pytest.fail(
