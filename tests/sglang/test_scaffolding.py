@@ -13,6 +13,8 @@
 * Without the shim, torchvision cannot be imported in this environment; with
   it, only the names SGLang reads at import time exist, anything else raises,
   and transformers still reports torchvision as not installed.
+* The engine driver kept for many jobs (the engine kit's, one per session)
+  replaces a driver that ended between jobs without blaming the next run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import pytest
 from attnhost_sglang_cpu import PLATFORM_NAME, sglang_env
+from attnhost_sglang_cpu.e2e import EngineDriver
+from attnhost_sglang_cpu.procs import kill_group
 
 KIT = "attnhost-sglang-cpu"
 #: The test-only distribution of tiny HF models the kit builds with (shared with the vLLM engine kit).
@@ -206,3 +210,21 @@ def test_torchvision_shim_is_minimal_and_loud() -> None:
     assert seen["io"] == "absent"
     assert "attnhost's SGLang test shim" in seen["use"]
     assert seen["hf_sees_torchvision"] is False
+
+
+def test_a_driver_that_ended_between_jobs_is_replaced_and_the_next_run_is_not_blamed(tmp_path: Path) -> None:
+    """A crashed engine takes SGLang's driver down after the driver reported it: the next job, in the same
+    ``EngineDriver``, gets a new driver and its own answer (here SGLang's refusal of a model directory that does
+    not exist, which fails in the driver before any engine process starts), never "the engine driver died"."""
+    missing = tmp_path / "no-such-model"
+    run = {"name": "nowhere", "backend": "attnhost_torch_native"}
+    with EngineDriver(sglang_env()) as driver:
+        first, _ = driver.run(missing, [[1, 2, 3]], 2, [run], tmp_path)
+        kill_group(first["nowhere"]["driver_pid"])  # as SGLang's process-tree kill after a scheduler's crash
+        second, _ = driver.run(missing, [[1, 2, 3]], 2, [run], tmp_path)
+    for result in (first["nowhere"], second["nowhere"]):
+        assert "no-such-model" in result.get("error", ""), result
+        assert "the engine driver died" not in result["error"], result["error"]
+    assert second["nowhere"]["driver_pid"] != first["nowhere"]["driver_pid"]
+    assert [ended.returncode for ended in driver.finished] == [-9, 0], driver.finished
+    assert [ended.leftover for ended in driver.finished] == ["none", "none"]
