@@ -101,17 +101,15 @@ class EngineDriver:
             with contextlib.suppress(BrokenPipeError):  # it ended since: seen below as the end of its output
                 proc.stdin.write(json.dumps(job) + "\n")
                 proc.stdin.flush()
-            answered = 0
             for _ in remaining:
                 record = self._next_record(deadline, timeout)
                 if record is None:
                     break
                 results[record["name"]] = record
-                answered += 1
             missing = [name for name in remaining if name not in results]
             if missing:
                 ended = self._finish()
-                if reused and not answered:
+                if reused and missing == remaining:
                     continue  # it was ending when the job came (a run of the last job ended it): a new driver
                 results[missing[0]] = {
                     "name": missing[0],
