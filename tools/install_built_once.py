@@ -1,15 +1,17 @@
-"""Install a local project that compiles against torch, building its wheel once per source and torch.
+"""Install local projects from wheels built once per source, Python and torch, whichever environment builds first.
 
-``python tools/install_built_once.py CACHE PROJECT [PIP_INSTALL_OPTION ...]``: the tox environments that install
-the compiled example (``examples/attnhost-cpukernels``) each have their own venv with the same torch, and the default
-environment's ``tests/test_examples.py`` builds it too (installing it with ``--target`` into a folder of its own), so
-each ``pip install --no-build-isolation`` compiled the same wheel again (ninja rebuilds everything: the include paths
-differ per venv).
+``python tools/install_built_once.py CACHE PROJECT [PROJECT ...] [PIP_INSTALL_OPTION ...]``: the tox environments
+install the same local projects (the examples, the test-only kits) into venvs of their own, and the compiled example
+(``examples/attnhost-cpukernels``) compiles against torch, which the default environment's ``tests/test_examples.py``
+does too (installing it with ``--target`` into a folder of its own); each ``pip install`` of a directory built it
+again (ninja rebuilds everything: the include paths differ per venv), and ``tox p`` runs two environments at once,
+whose builds of one directory would share its ``build/`` folder.
 pip caches wheels built from an index, never from a local directory, and no tool at hand keys a build on a
-directory's contents, so this one does: the wheel lands in ``CACHE/<key>/``, where the key hashes every source file
-of the project (build outputs left out), the Python tag and the installed torch's version; a later environment with
-the same key installs that wheel, passing pip the options given after PROJECT. Any change to a source file, to
-Python or to torch builds afresh.
+directory's contents, so this one does: each project's wheel lands in ``CACHE/<key>/``, where the key hashes every
+source file of the project (build outputs left out), the Python tag and the installed torch's version; a later
+environment with the same key installs that wheel. A build holds a lock on its key (``filelock``, which pip and tox
+use too), so an environment that wants a wheel another is building waits for it and installs it. The options given
+after the projects go to ``pip install``. Any change to a source file, to Python or to torch builds afresh.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ import hashlib
 import shutil
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from filelock import FileLock
 
 SKIPPED_PARTS = {"build", "dist", "__pycache__", ".eggs"}
 """Directories whose contents are build outputs, not sources."""
+
+
+def _torch_version() -> str:
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "none"
 
 
 def source_key(project: Path) -> str:
@@ -35,14 +46,19 @@ def source_key(project: Path) -> str:
         if any(part.endswith(".egg-info") for part in relative.parts):
             continue
         digest.update(str(relative).encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(f"{sys.implementation.cache_tag}\0torch {version('torch')}".encode())
+    digest.update(f"{sys.implementation.cache_tag}\0torch {_torch_version()}".encode())
     return digest.hexdigest()[:20]
 
 
-def main(cache: Path, project: Path, install_options: list[str]) -> int:
+def built_wheel(cache: Path, project: Path) -> list[Path] | int:
+    """The wheel of *project* in *cache*, built now unless an earlier build left it; pip's exit status where the
+    build fails."""
     target = cache / source_key(project)
-    wheels = sorted(target.glob("*.whl"))
-    if not wheels:
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        wheels = sorted(target.glob("*.whl"))
+        if wheels:
+            return wheels
         pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)  # what an interrupted build left
@@ -50,12 +66,24 @@ def main(cache: Path, project: Path, install_options: list[str]) -> int:
         if built.returncode != 0:
             return built.returncode
         partial.rename(target)  # only a finished build is ever found
-        wheels = sorted(target.glob("*.whl"))
+        return sorted(target.glob("*.whl"))
+
+
+def main(cache: Path, projects: list[Path], install_options: list[str]) -> int:
+    wheels: list[Path] = []
+    for project in projects:
+        built = built_wheel(cache, project)
+        if isinstance(built, int):
+            return built
+        wheels += built
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]
     return subprocess.run([*pip, *install_options, *map(str, wheels)], check=False).returncode
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3:
-        sys.exit("usage: python tools/install_built_once.py CACHE_DIR PROJECT_DIR [PIP_INSTALL_OPTION ...]")
-    sys.exit(main(Path(sys.argv[1]), Path(sys.argv[2]).resolve(), sys.argv[3:]))
+    arguments = sys.argv[2:]
+    count = next((i for i, argument in enumerate(arguments) if argument.startswith("-")), len(arguments))
+    if len(sys.argv) < 2 or count == 0:
+        sys.exit("usage: python tools/install_built_once.py CACHE_DIR PROJECT_DIR [PROJECT_DIR ...] [PIP_OPTION ...]")
+    projects = [Path(argument).resolve() for argument in arguments[:count]]
+    sys.exit(main(Path(sys.argv[1]), projects, arguments[count:]))
