@@ -83,8 +83,8 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def site(sources: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The examples built as wheels and installed into one target directory. The compiled one (built against this
     env's torch, about 40 s on two cores) goes through ``tools/install_built_once.py``, as the engine environments
-    install it: under tox its cache is the run's (``ATTNHOST_TEST_BUILT_ONCE``), so this build is the one they reuse;
-    elsewhere a temporary one, so it is built here."""
+    install it: under tox its cache is the run's (``ATTNHOST_TEST_BUILT_ONCE``), so the build is shared with them,
+    whichever comes first; elsewhere a temporary one, so it is built here."""
     wheels = tmp_path_factory.mktemp("wheels")
     target = tmp_path_factory.mktemp("site")
     pure = [directory for name, (directory, *_) in BUILT.items() if name != "cpu_paged"]
