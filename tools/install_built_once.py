@@ -50,32 +50,26 @@ def source_key(project: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def built_wheel(cache: Path, project: Path) -> list[Path] | int:
-    """The wheel of *project* in *cache*, built now unless an earlier build left it; pip's exit status where the
-    build fails."""
+def built_wheel(cache: Path, project: Path) -> list[Path]:
+    """The wheel of *project* in *cache*, built now unless an earlier build left it (pip's failure raises
+    :class:`subprocess.CalledProcessError`)."""
     target = cache / source_key(project)
     cache.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        wheels = sorted(target.glob("*.whl"))
-        if wheels:
-            return wheels
-        pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
-        partial = target.with_name(target.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)  # what an interrupted build left
-        built = subprocess.run([*pip, "--wheel-dir", str(partial), str(project)], check=False)
-        if built.returncode != 0:
-            return built.returncode
-        partial.rename(target)  # only a finished build is ever found
+        if not any(target.glob("*.whl")):
+            pip = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)  # what an interrupted build left
+            subprocess.run([*pip, "--wheel-dir", str(partial), str(project)], check=True)
+            partial.rename(target)  # only a finished build is ever found
         return sorted(target.glob("*.whl"))
 
 
 def main(cache: Path, projects: list[Path], install_options: list[str]) -> int:
-    wheels: list[Path] = []
-    for project in projects:
-        built = built_wheel(cache, project)
-        if isinstance(built, int):
-            return built
-        wheels += built
+    try:
+        wheels = [wheel for project in projects for wheel in built_wheel(cache, project)]
+    except subprocess.CalledProcessError as failed:
+        return failed.returncode
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--force-reinstall"]
     return subprocess.run([*pip, *install_options, *map(str, wheels)], check=False).returncode
 
